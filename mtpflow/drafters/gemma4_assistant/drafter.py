@@ -1,0 +1,92 @@
+"""The ``mtp`` drafter kind: proposes a block with a Gemma 4 assistant."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import mlx.core as mx
+
+from ...state import DraftBlock
+from ...targets.base import SLIDING, TargetError, read_config
+from . import MODEL_TYPES
+from .config import check_compatible
+from .masks import drafter_mask
+from .model import Gemma4AssistantModel
+
+#: RoPE position of the drafter's query relative to the bonus token's position:
+#: ``"bonus"`` (transformers, default) or ``"bonus-1"`` (mlx-vlm's convention).
+POSITION_CONVENTIONS = {"bonus": 0, "bonus-1": -1}
+
+
+class Gemma4AssistantDrafter:
+    """Gemma 4 MTP assistant: reads the target's last hidden state and store-layer K/V."""
+
+    kind = "mtp"
+    model_types = MODEL_TYPES
+    needs = frozenset({"hidden", "shared_kv"})
+
+    def __init__(self, model: Gemma4AssistantModel, position_convention: str = "bonus"):
+        if position_convention not in POSITION_CONVENTIONS:
+            raise ValueError(
+                f"unknown drafter position convention {position_convention!r}; use one of {sorted(POSITION_CONVENTIONS)}"
+            )
+        self.model = model
+        self.position_shift = POSITION_CONVENTIONS[position_convention]
+        self.layer_types = sorted(set(model.layer_types))
+
+    @classmethod
+    def check(cls, target_config: dict, drafter_config: dict):
+        return check_compatible(target_config, drafter_config)
+
+    @classmethod
+    def load(cls, path, target, options) -> "Gemma4AssistantDrafter":
+        path = Path(path)
+        acfg = check_compatible(target.config, read_config(path))
+        head_cls = options.plugins.lm_heads.get(acfg.head_kind)
+        model = Gemma4AssistantModel(acfg, head_cls)
+        files = sorted(glob.glob(str(path / "*.safetensors")))
+        if not files:
+            raise TargetError(f"{path}: no *.safetensors weights; download the full drafter checkpoint")
+        weights = {}
+        for f in files:
+            try:
+                weights.update(mx.load(f))
+            except Exception as exc:
+                raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated, re-download it") from None
+        weights = model.sanitize(weights)
+        dt = getattr(mx, options.dtype) if options.dtype else None
+        if dt is not None:
+            weights = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+        try:
+            model.load_weights(list(weights.items()), strict=True)
+        except ValueError as exc:
+            raise TargetError(f"{path}: drafter weights do not match its config.json ({exc})") from None
+        mx.eval(model.parameters())
+        return cls(model, options.position_convention)
+
+    def round_inputs(self, shared):
+        """K/V and masks for one round (constant over the block's steps)."""
+        kv, masks = {}, {}
+        for t in self.layer_types:
+            view = shared.kv[t]
+            kv[t] = (view.keys, view.values)
+            window = self.model.sliding_window if t == SLIDING else None
+            masks[t] = drafter_mask(view.positions, shared.bonus_position, window)
+        return kv, masks
+
+    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
+        B = shared.last_tokens.shape[0]
+        if n_draft <= 0:
+            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+        embed = session.target.embed
+        kv, masks = self.round_inputs(shared)
+        pos = shared.bonus_position + self.position_shift
+        tok, h = shared.last_tokens, shared.hidden
+        out = []
+        for _ in range(n_draft):
+            x = mx.concatenate([embed(tok), h], axis=-1)
+            final, h = self.model.step(x, kv, masks, pos)
+            tok = self.model.head_argmax(final)
+            out.append(tok)
+        return DraftBlock(tokens=mx.stack(out, axis=1), n_draft=n_draft)

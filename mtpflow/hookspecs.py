@@ -1,0 +1,258 @@
+"""Every hook mtpflow calls, grouped by lifecycle.
+
+A plugin is any module or object with functions named like these specs and
+decorated with :data:`mtpflow.hookimpl`.  Specs only ever grow by new keyword
+arguments; an implementation may accept fewer arguments than the spec offers.
+
+Two families of hooks exist:
+
+* **Registries** (``mtpflow_register_*``) are called once when the plugin
+  manager is built.  Each receives a ``register`` callback; the host owns the
+  names, rejects duplicates and checks the registered object's interface at
+  registration time.
+* **Round stages** (``mtpflow_prefill`` … ``mtpflow_emit``) make up one
+  speculative round, see :func:`mtpflow_round_protocol`.  Stage hooks are
+  ``firstresult``: the built-in implementations live in
+  ``mtpflow.builtins.stages`` and a plugin overrides one by implementing the
+  same hook with ``tryfirst=True`` and returning a non-``None`` result.
+  Stage hooks run at most once per round (never per token or per row) and
+  never call ``mx.eval``, ``.item()`` or ``.tolist()``: the engine performs
+  the single host synchronisation of a round between ``mtpflow_accept`` and
+  ``mtpflow_advance``.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mtpflow")
+
+
+# --------------------------------------------------------------------------------------
+# The round protocol
+# --------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def mtpflow_round_protocol(session, state):
+    """Run one speculative round for every live row of ``state``.
+
+    The default implementation (``mtpflow.builtins.stages``) performs, in order:
+
+    1. ``mtpflow_prefill`` -- only for rows that just joined: run the target
+       over the prompt, fill its KV cache, take the first token.  (Called by the
+       engine before the first round, not by this hook.)
+    2. ``mtpflow_bind_shared_kv`` -- hand the target's store-layer K/V, the last
+       hidden state and the bonus position over to the drafter.
+    3. ``mtpflow_draft_block`` -- the drafter proposes up to ``block_size - 1``
+       tokens per row.
+    4. ``mtpflow_verify`` -- one target forward over ``[last, drafts...]``.
+    5. ``mtpflow_accept`` -- the sampler decides, per row, how many drafts are
+       accepted and which recovered/bonus token follows (lazy arrays).
+       *The engine then performs the round's single host synchronisation.*
+    6. ``mtpflow_advance`` -- roll the target cache back past rejected drafts,
+       move last token / hidden state / positions forward, retire finished rows.
+    7. ``mtpflow_emit`` -- observers receive the emitted tokens and the round
+       record (plain Python numbers): streaming, tracing, metrics.
+
+    :param session: the :class:`mtpflow.engine.Session` (resolved plugins, config).
+    :param state: the :class:`mtpflow.state.BatchState` of the live rows.
+    :return: the :class:`mtpflow.state.RoundRecord` of the round.
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_prefill(session, requests):
+    """Prefill the target for newly admitted requests.
+
+    :param session: the generation session.
+    :param requests: list of :class:`mtpflow.state.Request`.
+    :return: a :class:`mtpflow.state.BatchState` holding the target cache, the
+        first sampled token of every row, the hidden state that precedes it and
+        the row positions.
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_bind_shared_kv(session, state):
+    """Build what the drafter reads from the target for this round.
+
+    :param session: the generation session.
+    :param state: the live :class:`mtpflow.state.BatchState`.
+    :return: a :class:`mtpflow.state.SharedKV` (store-layer K/V per attention
+        type with per-slot positions, the bonus position and the last hidden).
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_draft_block(session, state, shared, block_size):
+    """Propose ``block_size - 1`` draft tokens per row.
+
+    :param session: the generation session.
+    :param state: the live :class:`mtpflow.state.BatchState`.
+    :param shared: the :class:`mtpflow.state.SharedKV` of this round.
+    :param block_size: tokens verified per row this round (drafts + 1).
+    :return: a :class:`mtpflow.state.DraftBlock` (lazy arrays).
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_verify(session, state, draft):
+    """Run the target once over ``[last token, drafts...]`` for every row.
+
+    :param session: the generation session.
+    :param state: the live :class:`mtpflow.state.BatchState`.
+    :param draft: the :class:`mtpflow.state.DraftBlock`.
+    :return: a :class:`mtpflow.state.VerifyResult` (processed target logits and
+        post-norm hidden states, lazy).
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_accept(session, state, draft, verify):
+    """Decide acceptance with the session's sampler.
+
+    :param session: the generation session.
+    :param state: the live :class:`mtpflow.state.BatchState`.
+    :param draft: the :class:`mtpflow.state.DraftBlock`.
+    :param verify: the :class:`mtpflow.state.VerifyResult`.
+    :return: an :class:`mtpflow.state.AcceptResult` with, per row, the number
+        of accepted drafts and the ``accepted + 1`` tokens to emit (lazy).
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def mtpflow_advance(session, state, draft, verify, accepted):
+    """Advance the batch after the round's host synchronisation.
+
+    Rolls the target cache back past the rejected drafts, sets each row's next
+    last token, hidden state and position, truncates at EOS / ``max_tokens``
+    and marks finished rows.
+
+    :param session: the generation session.
+    :param state: the live :class:`mtpflow.state.BatchState` (mutated).
+    :param draft: the :class:`mtpflow.state.DraftBlock`.
+    :param verify: the :class:`mtpflow.state.VerifyResult`.
+    :param accepted: the synchronised :class:`mtpflow.state.AcceptResult`
+        (its ``counts`` and ``tokens`` are host lists).
+    :return: the list of per-row emitted token lists.
+
+    ``firstresult``: yes.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_emit(session, record, emitted):
+    """Observe a finished round (all implementations are called).
+
+    :param session: the generation session.
+    :param record: the :class:`mtpflow.state.RoundRecord` (plain numbers).
+    :param emitted: ``{request_id: [token ids emitted this round]}``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+# --------------------------------------------------------------------------------------
+# Registries
+# --------------------------------------------------------------------------------------
+@hookspec
+def mtpflow_register_lm_heads(register):
+    """Register drafter LM heads.
+
+    :param register: ``register(name, head_cls)``; ``head_cls`` must provide
+        ``from_config(config, vocab_size, hidden_size)`` and instances must be
+        callables returning logits, with ``argmax(x)`` and ``support(x)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_samplers(register):
+    """Register acceptance samplers.
+
+    :param register: ``register(name, factory)``; ``factory(config)`` returns an
+        object with ``accept(target_logits, draft, key)`` and
+        ``sample(logits, key)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_drafters(register):
+    """Register drafter kinds (``--draft-kind``).
+
+    :param register: ``register(name, drafter_cls)``; ``drafter_cls`` must
+        provide ``model_types`` (config ``model_type`` values it loads, may be
+        empty), ``needs`` (a subset of ``{"hidden", "shared_kv"}``),
+        ``load(path, target, options)`` and instances ``propose(session,
+        state, shared, n_draft)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_batch_policies(register):
+    """Register batch policies (which requests decode together).
+
+    :param register: ``register(name, factory)``; ``factory(config)`` returns an
+        object with ``admit(waiting, live, capacity)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_block_policies(register):
+    """Register block-size policies.
+
+    :param register: ``register(name, factory)``; ``factory(config)`` returns an
+        object with ``block_size(stats)`` and ``observe(record)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_targets(register):
+    """Register target adapters by HF ``model_type``.
+
+    :param register: ``register(model_type, adapter_cls)``; ``adapter_cls``
+        must provide ``from_path(path, config)``.
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,227 @@
+"""Plugin manager and registries.
+
+Loading order: the built-in plugins (the modules named in the ``mtpflow``
+entry-point group of mtpflow's own ``pyproject.toml``), then third-party
+packages of the same entry-point group, then modules named in configs.
+
+Operators control loading with environment variables:
+
+* ``MTPFLOW_PLUGINS`` -- comma-separated allow list of third-party plugin
+  names; unset means "all installed".
+* ``MTPFLOW_BLOCK_PLUGINS`` -- comma-separated block list.
+* ``MTPFLOW_DISABLE_PLUGIN_AUTOLOAD=1`` -- load no third-party entry points
+  (the test suite sets this); built-ins still load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from importlib import metadata
+from typing import Any, Callable
+
+import pluggy
+
+from . import hookspecs
+
+ENTRY_POINT_GROUP = "mtpflow"
+
+#: The built-in plugins, exactly as listed in mtpflow's entry-point group.
+BUILTIN_PLUGINS: dict[str, str] = {
+    "heads": "mtpflow.builtins.heads",
+    "samplers": "mtpflow.builtins.samplers",
+    "drafters": "mtpflow.builtins.drafters",
+    "policies": "mtpflow.builtins.policies",
+    "targets": "mtpflow.builtins.targets",
+    "stages": "mtpflow.builtins.stages",
+}
+
+
+class PluginError(Exception):
+    """A plugin is missing, broken, or registered something invalid."""
+
+
+# What each registry checks at registration time: required attributes.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "lm_heads": ("from_config",),
+    "samplers": ("__call__",),
+    "drafters": ("model_types", "needs", "load"),
+    "batch_policies": ("__call__",),
+    "block_policies": ("__call__",),
+    "targets": ("from_path",),
+}
+
+
+class Registry:
+    """Name -> object, owned by the host.  ``register`` is handed to plugins."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, Any] = {}
+        self._owner: dict[str, str] = {}
+        self._current_plugin = "?"
+
+    def register(self, name: str, obj: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {self._current_plugin!r}: {self.kind} name must be a non-empty string")
+        if name in self._items:
+            raise PluginError(
+                f"plugin {self._current_plugin!r} registers {self.kind} {name!r}, "
+                f"already registered by plugin {self._owner[name]!r}"
+            )
+        missing = [a for a in _REQUIRED[self.kind] if not hasattr(obj, a)]
+        if missing:
+            raise PluginError(
+                f"plugin {self._current_plugin!r}: {self.kind} {name!r} lacks required "
+                f"attribute(s) {', '.join(missing)}"
+            )
+        self._items[name] = obj
+        self._owner[name] = self._current_plugin
+
+    def get(self, name: str) -> Any:
+        try:
+            return self._items[name]
+        except KeyError:
+            known = ", ".join(sorted(self._items)) or "none"
+            raise PluginError(f"unknown {self.kind[:-1].replace('_', ' ')} {name!r} (registered: {known})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def owner(self, name: str) -> str:
+        return self._owner[name]
+
+    def items(self):
+        return sorted(self._items.items())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+
+class Plugins:
+    """The loaded plugin manager plus the filled registries."""
+
+    def __init__(self, pm: pluggy.PluginManager, registries: dict[str, Registry], versions: dict[str, str]):
+        self.pm = pm
+        self.hook = pm.hook
+        self.registries = registries
+        self.versions = versions
+
+    def __getattr__(self, kind: str) -> Registry:
+        try:
+            return self.__dict__["registries"][kind]
+        except KeyError:
+            raise AttributeError(kind) from None
+
+    def describe(self) -> list[dict]:
+        """JSON-ready list: name, version, hooks of every plugin (like ``llm plugins``)."""
+        out = []
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
+            if plugin is None:
+                continue
+            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+            out.append({"name": name, "version": self.versions.get(name), "hooks": hooks})
+        return out
+
+
+def _csv_env(name: str) -> set[str] | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    eps = metadata.entry_points()
+    return list(eps.select(group=ENTRY_POINT_GROUP))
+
+
+def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bool | None = None) -> Plugins:
+    """Build the plugin manager: built-ins, installed plugins, then ``extra``.
+
+    ``extra`` holds plugin objects or importable module names (from a config);
+    a failure there is an error naming the plugin.  A broken auto-discovered
+    plugin is a warning and is skipped.
+    """
+    pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    pm.add_hookspecs(hookspecs)
+    versions: dict[str, str] = {}
+    from . import __version__
+
+    for name, modname in BUILTIN_PLUGINS.items():
+        pm.register(importlib.import_module(modname), name=name)
+        versions[name] = __version__
+
+    if autoload is None:
+        autoload = os.environ.get("MTPFLOW_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true", "yes")
+    allow = _csv_env("MTPFLOW_PLUGINS")
+    block = _csv_env("MTPFLOW_BLOCK_PLUGINS") or set()
+    if autoload:
+        for ep in _entry_points():
+            if ep.name in BUILTIN_PLUGINS and ep.value == BUILTIN_PLUGINS[ep.name]:
+                continue  # the built-ins, already registered above
+            if ep.name in block or (allow is not None and ep.name not in allow):
+                continue
+            if pm.has_plugin(ep.name):
+                warnings.warn(f"mtpflow plugin {ep.name!r} is installed twice; keeping the first", stacklevel=2)
+                continue
+            try:
+                plugin = ep.load()
+                pm.register(plugin, name=ep.name)
+            except Exception as exc:  # a broken auto-discovered plugin must not break the host
+                warnings.warn(f"mtpflow plugin {ep.name!r} failed to load and was skipped: {exc}", stacklevel=2)
+                continue
+            dist = getattr(ep, "dist", None)
+            versions[ep.name] = getattr(dist, "version", None) or "unknown"
+
+    for item in extra or []:
+        if isinstance(item, str):
+            if item in block:
+                raise PluginError(f"plugin {item!r} is named in the config but blocked by MTPFLOW_BLOCK_PLUGINS")
+            if pm.has_plugin(item):
+                continue
+            try:
+                mod = importlib.import_module(item)
+            except Exception as exc:
+                raise PluginError(f"plugin {item!r} named in the config could not be imported: {exc}") from exc
+            pm.register(mod, name=item)
+            versions[item] = getattr(mod, "__version__", "unknown")
+        else:
+            name = getattr(item, "__name__", None) or type(item).__name__
+            if not pm.is_registered(item):
+                pm.register(item, name=name)
+                versions[name] = getattr(item, "__version__", "unknown")
+
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
+
+    registries = {kind: Registry(kind) for kind in _REQUIRED}
+    for kind, reg in registries.items():
+        caller = getattr(pm.hook, f"mtpflow_register_{kind}")
+        for impl in reversed(caller.get_hookimpls()):  # registration order
+            reg._current_plugin = impl.plugin_name
+            impl.function(register=reg.register)
+        reg._current_plugin = "?"
+    return Plugins(pm, registries, versions)
+
+
+_default: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    """The process-wide plugin manager (built on first use)."""
+    global _default
+    if _default is None:
+        _default = make_plugin_manager()
+    return _default
+
+
+def reset_plugins() -> None:
+    global _default
+    _default = None
+
+
+Register = Callable[[str, Any], None]

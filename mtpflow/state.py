@@ -1,0 +1,171 @@
+"""attrs state objects passed between the round stages.
+
+Fields holding ``mx.array`` compare by identity (``eq=False``) and show only
+their shape in ``repr`` -- ``repr`` of a lazy array would force evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from attrs import define, field, frozen
+
+
+def _shape_repr(x: Any) -> str:
+    if x is None:
+        return "None"
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return f"<array {tuple(shape)}>"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_shape_repr(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (list, tuple)):
+        return f"<{type(x).__name__} of {len(x)}>"
+    return repr(x)
+
+
+def array_field(**kw):
+    """An attrs field for arrays: no equality, shape-only repr."""
+    return field(eq=False, repr=_shape_repr, **kw)
+
+
+@frozen(kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings (applied identically on every path)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(factory=dict)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@define(kw_only=True)
+class Request:
+    """One prompt to complete."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(factory=SamplingParams)
+    stop_ids: frozenset[int] = field(factory=frozenset)
+    speculative: bool = True
+
+
+@frozen(kw_only=True)
+class KVView:
+    """K/V of one store layer in slot order, with each slot's absolute position.
+
+    ``keys``/``values``: ``[B, KVH, S, hd]``; ``positions``: ``[B, S]`` int32,
+    ``-1`` marks an empty or rejected slot.
+    """
+
+    keys: Any = array_field()
+    values: Any = array_field()
+    positions: Any = array_field()
+
+
+@frozen(kw_only=True)
+class SharedKV:
+    """What a drafter reads from the target for one round.
+
+    ``kv`` maps the attention type (``"full_attention"``,
+    ``"sliding_attention"``) to a :class:`KVView`; ``bonus_position`` ``[B]``
+    is the position of each row's last (not yet verified) token; ``hidden``
+    ``[B, D]`` is the target's post-norm hidden state one position before it;
+    ``last_tokens`` ``[B]`` the last tokens.
+    """
+
+    kv: dict = array_field(factory=dict)
+    bonus_position: Any = array_field()
+    hidden: Any = array_field()
+    last_tokens: Any = array_field()
+
+
+@frozen(kw_only=True)
+class DraftBlock:
+    """Drafted tokens ``[B, k]`` (``k`` may be 0) and, for sampling, the
+    drafter's processed distribution: ``probs`` ``[B, k, V]`` or ``None`` when
+    the drafter drafted by argmax (then ``q`` is one-hot)."""
+
+    tokens: Any = array_field()
+    n_draft: int
+    probs: Any = array_field(default=None)
+
+
+@frozen(kw_only=True)
+class VerifyResult:
+    """Target output for ``[last, drafts...]``: ``logits`` ``[B, k+1, V]``
+    (softcapped, before sampling processors) and post-norm ``hidden``
+    ``[B, k+1, D]``."""
+
+    logits: Any = array_field()
+    hidden: Any = array_field()
+
+
+@frozen(kw_only=True)
+class AcceptResult:
+    """Per row: ``counts`` accepted drafts and ``tokens`` ``[B, k+1]`` whose first
+    ``counts+1`` entries are emitted (accepted drafts, then the recovered or
+    bonus token).  Lazy arrays before the round's sync, host lists after."""
+
+    counts: Any = array_field()
+    tokens: Any = array_field()
+
+
+@define(kw_only=True)
+class RowState:
+    """Host-side bookkeeping of one live row."""
+
+    request: Request
+    generated: list[int] = field(factory=list)
+    position: int = 0  # absolute position of the last (unverified) token
+    finished: bool = False
+    finish_reason: str | None = None
+    slot: int = 0
+
+
+@define(kw_only=True)
+class BatchState:
+    """The live batch between rounds (mutated by ``mtpflow_advance``)."""
+
+    rows: list[RowState]
+    cache: Any = array_field()
+    last_tokens: Any = array_field()  # [B] int32
+    hidden: Any = array_field()  # [B, D] post-norm hidden before the last token
+    positions: Any = array_field()  # [B] int32 (device copy of row.position)
+    round: int = 0
+    keys: Any = array_field(default=None)  # per-row PRNG keys for sampling
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+@frozen(kw_only=True)
+class RoundRecord:
+    """One round, in plain Python numbers (what tracing and metrics see)."""
+
+    round: int
+    batch_size: int
+    block_size: int
+    drafted: int
+    accepted: list[int]
+    emitted: list[int]
+    draft_s: float
+    verify_s: float
+    host_s: float
+    syncs: int = 1
+
+    def as_event(self) -> dict:
+        d = attrs.asdict(self)
+        d["accepted_total"] = sum(self.accepted)
+        d["emitted_total"] = sum(self.emitted)
+        return d

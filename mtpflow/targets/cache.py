@@ -1,0 +1,182 @@
+"""A batched, position-tracking KV cache that can roll back per row.
+
+Every slot stores one token's K/V together with its absolute position for
+each row (``positions[b, s]``; negative = empty, left padding or rejected).
+Masks are derived from positions, so
+
+* rows of different lengths share one cache (left padding is just negative
+  positions),
+* a row rolls back by invalidating its rejected slots -- other rows keep
+  theirs (ragged acceptance), and trailing slots rejected by every row are
+  physically trimmed,
+* a sliding-window layer never wraps: it keeps its slots in position order and
+  compacts (drops slots older than ``retain`` positions) in bulk, so rolling
+  back after a rotation is always exact and the drafter can read the window
+  in position order.
+
+The cache follows mlx-lm's cache protocol (``update_and_fetch``, ``offset``,
+``make_mask``, ``trim``) so mlx-lm's model code runs on it unchanged.
+``offset`` is an ``[B]`` int32 array: the position of the first token of the
+forward in progress for every row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class SlotKVCache:
+    step = 256
+
+    def __init__(self, window: int | None = None, retain: int | None = None):
+        self.window = window
+        # a sliding layer keeps at least `retain` past positions (>= window)
+        self.retain = retain if retain is not None else window
+        self.keys = None
+        self.values = None
+        self.positions = None  # [B, cap] int32
+        self.idx = 0  # slots in use
+        self.offset = None  # [B] int32, position of the next token per row
+
+    # -- mlx-lm protocol -------------------------------------------------------------
+    def _grow(self, B: int, n_kv: int, hd_k: int, hd_v: int, n_new: int, dtype) -> None:
+        need = self.idx + n_new
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if need <= cap:
+            return
+        n = ((need - cap + self.step - 1) // self.step) * self.step
+        k = mx.zeros((B, n_kv, n, hd_k), dtype)
+        v = mx.zeros((B, n_kv, n, hd_v), dtype)
+        p = mx.full((B, n), -1, mx.int32)
+        if self.keys is None:
+            self.keys, self.values, self.positions = k, v, p
+        else:
+            self.keys = mx.concatenate([self.keys[..., : self.idx, :], k], axis=2)
+            self.values = mx.concatenate([self.values[..., : self.idx, :], v], axis=2)
+            self.positions = mx.concatenate([self.positions[:, : self.idx], p], axis=1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, n_kv, L, hd = keys.shape
+        self._grow(B, n_kv, hd, values.shape[3], L, keys.dtype)
+        prev = self.idx
+        self.idx += L
+        self.keys[..., prev : self.idx, :] = keys
+        self.values[..., prev : self.idx, :] = values
+        self.positions[:, prev : self.idx] = self.offset[:, None] + mx.arange(L, dtype=mx.int32)[None]
+        self.offset = self.offset + L
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
+        """Mask ``[B, 1, N, idx + N]`` for the next ``N`` queries (called before
+        ``update_and_fetch``)."""
+        window = window_size if window_size is not None else self.window
+        q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
+        old = self.positions[:, : self.idx] if self.idx else mx.zeros((q.shape[0], 0), mx.int32)
+        kv = mx.concatenate([old, q], axis=1)  # [B, S]
+        qe, kve = q[:, :, None], kv[:, None, :]
+        mask = (kve >= 0) & (kve <= qe)
+        if window is not None:
+            mask = mask & (kve > qe - window)
+        # every query may see its own slot, so a padded query never has an empty row (NaN)
+        own = mx.arange(self.idx, self.idx + N)[:, None] == mx.arange(self.idx + N)[None, :]
+        mask = mask | own[None]
+        return mask[:, None]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.idx, n)
+        self.idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def size(self) -> int:
+        return self.idx
+
+    @property
+    def state(self):
+        return self.view()
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+
+    # -- mtpflow extensions ----------------------------------------------------------
+    def view(self):
+        """``(keys, values, positions)`` of the used slots, in slot order."""
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :], self.positions[:, : self.idx]
+
+    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int) -> None:
+        """After a verify over ``block`` slots, keep the first ``keep[b]`` of them
+        in row ``b``, invalidate the rest, set each row's next position and
+        physically drop ``trim`` trailing slots (rejected by every row)."""
+        start = self.idx - block
+        if block > 0:
+            rel = mx.arange(block, dtype=mx.int32)[None]
+            tail = self.positions[:, start : self.idx]
+            self.positions[:, start : self.idx] = mx.where(rel < keep[:, None], tail, -1)
+        self.idx -= trim
+        self.offset = next_pos
+
+    def select(self, rows: mx.array) -> None:
+        """Keep only the given batch rows (rows that finished leave)."""
+        if self.keys is not None:
+            self.keys = self.keys[rows]
+            self.values = self.values[rows]
+            self.positions = self.positions[rows]
+        if self.offset is not None:
+            self.offset = self.offset[rows]
+
+    def compact(self, n_keep: int, min_position: mx.array | None = None) -> None:
+        """Rewrite the slots so every row's valid slots (optionally only those at
+        positions ``>= min_position[b]``) are the last ``n_keep`` slots, in
+        position order; emptier rows get empty slots on the left."""
+        if self.keys is None:
+            return
+        pos = self.positions[:, : self.idx]
+        valid = pos >= 0
+        if min_position is not None:
+            valid = valid & (pos >= min_position[:, None])
+        # order: invalid slots first (by slot), then valid ones by position
+        key = mx.where(valid, pos, -1 - self.idx + mx.arange(self.idx, dtype=mx.int32)[None])
+        order = mx.argsort(key, axis=1)[:, self.idx - n_keep :]
+        B = pos.shape[0]
+        newpos = mx.take_along_axis(mx.where(valid, pos, -1), order, axis=1)
+        gather = order[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
+        self.values = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
+        self.positions = newpos.reshape(B, n_keep)
+        self.idx = n_keep
+
+
+def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
+    """Stack the per-layer caches of several batches (continuous batching):
+    slot axes are right-aligned, shorter ones padded with empty slots."""
+    out = []
+    for layer in zip(*caches):
+        width = max(c.idx for c in layer)
+        tmpl = next(c for c in layer if c.keys is not None)
+        merged = SlotKVCache(window=tmpl.window, retain=tmpl.retain)
+        ks, vs, ps, offs = [], [], [], []
+        for c in layer:
+            k, v, p = c.view()
+            pad = width - c.idx
+            if pad:
+                B, H, _, hk = k.shape
+                k = mx.concatenate([mx.zeros((B, H, pad, hk), k.dtype), k], axis=2)
+                v = mx.concatenate([mx.zeros((B, H, pad, v.shape[3]), v.dtype), v], axis=2)
+                p = mx.concatenate([mx.full((B, pad), -1, mx.int32), p], axis=1)
+            ks.append(k)
+            vs.append(v)
+            ps.append(p)
+            offs.append(c.offset)
+        merged.keys = mx.concatenate(ks, axis=0)
+        merged.values = mx.concatenate(vs, axis=0)
+        merged.positions = mx.concatenate(ps, axis=0)
+        merged.offset = mx.concatenate(offs, axis=0)
+        merged.idx = width
+        out.append(merged)
+    return out
