@@ -1,0 +1,167 @@
+"""The built-in round stages (see :func:`mtpflow.hookspecs.mtpflow_round_protocol`).
+
+A plugin replaces a stage by implementing the same hook with ``tryfirst=True``
+and returning a result; these implementations then do not run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from mtpflow import hookimpl
+from mtpflow.state import AcceptResult, BatchState, DraftBlock, RoundRecord, RowState, SharedKV, VerifyResult
+
+PAD_ID = 0
+
+
+def _finish(row: RowState, new: list[int]) -> list[int]:
+    """Append ``new`` to the row, cut at a stop id (not emitted) or ``max_tokens``."""
+    out = []
+    req = row.request
+    for tok in new:
+        if tok in req.stop_ids:
+            row.finished, row.finish_reason = True, "stop"
+            break
+        out.append(tok)
+        if len(row.generated) + len(out) >= req.max_tokens:
+            row.finished, row.finish_reason = True, "length"
+            break
+    row.generated.extend(out)
+    return out
+
+
+@hookimpl
+def mtpflow_prefill(session, requests):
+    target = session.target
+    lens = [len(r.prompt) for r in requests]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    L = max(lens)
+    tokens = mx.array([[PAD_ID] * (L - n) + list(r.prompt) for r, n in zip(requests, lens)], dtype=mx.int32)
+    cache = target.make_cache(extra=session.max_block_size + 8)
+    target.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+    step = session.config.batch.prefill_step_size
+    for s in range(0, L, step):
+        hidden = target.forward(tokens[:, s : s + step], cache)
+        if s + step < L:
+            mx.eval([c.keys for c in cache] + [c.values for c in cache])
+            target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
+    last_hidden = hidden[:, -1]
+    rows = [RowState(request=r, position=n) for r, n in zip(requests, lens)]
+    session.sampler.prepare(rows)
+    first = session.sampler.first(target.logits(last_hidden), None)
+    mx.eval(first, last_hidden)
+    for row, tok in zip(rows, first.tolist()):
+        _finish(row, [tok])
+    return BatchState(
+        rows=rows,
+        cache=cache,
+        last_tokens=first,
+        hidden=last_hidden,
+        positions=mx.array(lens, dtype=mx.int32),
+    )
+
+
+@hookimpl
+def mtpflow_bind_shared_kv(session, state):
+    return SharedKV(
+        kv=session.target.shared_kv(state.cache),
+        bonus_position=state.positions,
+        hidden=state.hidden,
+        last_tokens=state.last_tokens,
+    )
+
+
+@hookimpl
+def mtpflow_draft_block(session, state, shared, block_size):
+    return session.drafter.propose(session, state, shared, block_size - 1)
+
+
+@hookimpl
+def mtpflow_verify(session, state, draft):
+    target = session.target
+    inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
+    target.set_offsets(state.cache, state.positions)
+    hidden = target.forward(inputs, state.cache)
+    return VerifyResult(logits=target.logits(hidden), hidden=hidden)
+
+
+@hookimpl
+def mtpflow_accept(session, state, draft, verify):
+    return session.sampler.accept(verify.logits, draft, state)
+
+
+@hookimpl
+def mtpflow_advance(session, state, draft, verify, accepted):
+    counts, toks = accepted.counts, accepted.tokens
+    k = draft.n_draft
+    keep_host = [n + 1 for n in counts]
+    keep = mx.array(keep_host, dtype=mx.int32)
+    next_pos = state.positions + keep
+    trim = k - max(counts)
+    for c in state.cache:
+        c.rollback(k + 1, keep, next_pos, trim)
+    state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
+    state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
+    state.positions = next_pos
+    emitted = []
+    for row, t, n in zip(state.rows, toks, counts):
+        row.position += n + 1
+        emitted.append(_finish(row, t[: n + 1]))
+    session.target.compact(
+        state.cache, n_valid_max=max(r.position for r in state.rows), min_positions=[r.position for r in state.rows]
+    )
+    state.round += 1
+    return emitted
+
+
+@hookimpl
+def mtpflow_round_protocol(session, state):
+    hook = session.hook
+    t0 = time.perf_counter()
+    block = session.block_policy.block_size(session.stats)
+    # never draft past the longest remaining budget
+    remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
+    n_draft = max(0, min(block - 1, remaining - 1)) if session.drafter is not None else 0
+    B = state.size
+    if n_draft > 0:
+        shared = hook.mtpflow_bind_shared_kv(session=session, state=state)
+        draft = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=n_draft + 1)
+        if session.config.trace.sync_timing:
+            mx.eval(draft.tokens)
+        else:
+            mx.async_eval(draft.tokens)
+    else:
+        draft = DraftBlock(tokens=mx.zeros((B, 0), dtype=mx.int32), n_draft=0)
+    t1 = time.perf_counter()
+    verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
+    acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
+    # the round's single host synchronisation
+    mx.eval(acc.counts, acc.tokens, verify.hidden)
+    t2 = time.perf_counter()
+    host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist())
+    emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)
+    t3 = time.perf_counter()
+    record = RoundRecord(
+        round=state.round,
+        batch_size=B,
+        block_size=n_draft + 1,
+        drafted=n_draft,
+        accepted=list(host.counts),
+        emitted=[len(e) for e in emitted],
+        draft_s=t1 - t0,
+        verify_s=t2 - t1,
+        host_s=t3 - t2,
+        syncs=2 if (n_draft > 0 and session.config.trace.sync_timing) else 1,
+    )
+    session.stats.observe(record)
+    session.block_policy.observe(record)
+    hook.mtpflow_emit(session=session, record=record, emitted={r.request.id: e for r, e in zip(state.rows, emitted)})
+    return record
+
+
+@hookimpl
+def mtpflow_emit(session, record, emitted):
+    session.log.info("round", **record.as_event())

@@ -1,0 +1,200 @@
+"""Configuration: frozen attrs classes structured by cattrs from TOML files.
+
+A bad file fails with the path of the bad field, e.g.
+``$.draft.block_size: must be >= 1 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from attrs import field, frozen
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid."""
+
+
+class FieldError(ValueError):
+    """A validator failure that remembers its field (for the error path)."""
+
+    def __init__(self, field_name: str, msg: str):
+        super().__init__(f"{field_name}: {msg}")
+        self.field_name = field_name
+        self.msg = msg
+
+
+def _ge(lo):
+    def check(inst, attr, value):
+        if value is not None and value < lo:
+            raise FieldError(attr.name, f"must be >= {lo} (got {value})")
+
+    return check
+
+
+def _in_range(lo, hi, lo_open=False):
+    def check(inst, attr, value):
+        bad = value > hi or (value <= lo if lo_open else value < lo)
+        if bad:
+            left = "(" if lo_open else "["
+            raise FieldError(attr.name, f"must be in {left}{lo}, {hi}] (got {value})")
+
+    return check
+
+
+@frozen(kw_only=True)
+class ModelConfig:
+    #: target: local folder or Hugging Face repo id
+    model: str | None = None
+    #: drafter checkpoint (folder or repo id); none decodes with the target alone
+    draft_model: str | None = None
+    #: drafter kind; detected from the drafter's config.json when unset
+    draft_kind: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+@frozen(kw_only=True)
+class DraftConfig:
+    #: tokens verified per round: drafts + 1 (1 = no drafting)
+    block_size: int = field(default=4, validator=[_ge(1)])
+    #: drafter query RoPE position: "bonus" (transformers) or "bonus-1" (mlx-vlm)
+    position: Literal["bonus", "bonus-1"] = "bonus"
+    #: block-size policy plugin: "fixed" or "adaptive"
+    policy: str = "fixed"
+    #: largest block the adaptive policy may choose
+    max_block_size: int = field(default=8, validator=[_ge(1)])
+
+    def __attrs_post_init__(self):
+        if self.block_size > 32:
+            raise FieldError("block_size", f"must be <= 32 (got {self.block_size})")
+
+
+@frozen(kw_only=True)
+class SamplingConfig:
+    temperature: float = field(default=0.0, validator=[_ge(0.0)])
+    top_p: float = field(default=1.0, validator=[_in_range(0.0, 1.0, lo_open=True)])
+    top_k: int = field(default=0, validator=[_ge(0)])
+    min_p: float = field(default=0.0, validator=[_in_range(0.0, 1.0)])
+    repetition_penalty: float = field(default=1.0, validator=[_in_range(0.0, 100.0, lo_open=True)])
+    seed: int | None = None
+    #: acceptance sampler plugin; "auto" = greedy at temperature 0, else rejection
+    sampler: str = "auto"
+
+
+@frozen(kw_only=True)
+class BatchConfig:
+    policy: str = "static"
+    max_batch_size: int = field(default=8, validator=[_ge(1)])
+    prefill_step_size: int = field(default=512, validator=[_ge(1)])
+
+
+@frozen(kw_only=True)
+class GenerationConfig:
+    max_tokens: int = field(default=256, validator=[_ge(1)])
+
+
+@frozen(kw_only=True)
+class TraceConfig:
+    #: write one JSON line per round here
+    file: str | None = None
+    #: synchronise after drafting to split draft / verify time exactly (2 syncs per round)
+    sync_timing: bool = False
+
+
+@frozen(kw_only=True)
+class Config:
+    model: ModelConfig = field(factory=ModelConfig)
+    draft: DraftConfig = field(factory=DraftConfig)
+    sampling: SamplingConfig = field(factory=SamplingConfig)
+    batch: BatchConfig = field(factory=BatchConfig)
+    generation: GenerationConfig = field(factory=GenerationConfig)
+    trace: TraceConfig = field(factory=TraceConfig)
+    #: extra plugin modules to load (an unloadable one is an error naming it)
+    plugins: list[str] = field(factory=list)
+
+
+def _converter() -> cattrs.Converter:
+    c = cattrs.Converter(forbid_extra_keys=True)
+    return c
+
+
+converter = _converter()
+
+
+_SEP = "\x00"
+
+
+def _format(exc: BaseException, type_) -> str:
+    if isinstance(exc, FieldError):
+        return f"{exc.field_name}{_SEP}{exc.msg}"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"unknown key(s) {', '.join(sorted(exc.extra_fields))}"
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    if isinstance(exc, (ValueError, TypeError)) and type_ is not None and str(exc):
+        msg = str(exc)
+        if "invalid literal" in msg or "could not convert" in msg or isinstance(exc, TypeError):
+            return f"expected {getattr(type_, '__name__', type_)} ({msg})"
+        return msg
+    if "not in literal" in str(exc):
+        allowed = ", ".join(repr(a) for a in getattr(type_, "__args__", ()))
+        return f"must be one of {allowed}"
+    return cattrs.v.format_exception(exc, type_)
+
+
+def _relocate(line: str) -> str:
+    """``"msg @ $.a"`` -> ``"$.a: msg"``; a field-tagged message moves into the path."""
+    msg, _, path = line.rpartition(" @ ")
+    if _SEP in msg:
+        fld, msg = msg.split(_SEP, 1)
+        path = f"{path}.{fld}"
+    return f"{path}: {msg}"
+
+
+def structure(data: dict[str, Any]) -> Config:
+    try:
+        return converter.structure(data, Config)
+    except cattrs.BaseValidationError as exc:
+        msgs = [_relocate(m) for m in cattrs.transform_error(exc, path="$", format_exception=_format)]
+        raise ConfigError("; ".join(msgs)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict] | None = None) -> Config:
+    """Read a TOML config (optional) and apply ``{section: {key: value}}`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    for section, values in (overrides or {}).items():
+        values = {k: v for k, v in values.items() if v is not None}
+        if values:
+            data.setdefault(section, {})
+            if not isinstance(data[section], dict):
+                raise ConfigError(f"$.{section}: expected a table")
+            data[section].update(values)
+    try:
+        return structure(data)
+    except ConfigError as exc:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{exc}") from None
+
+
+def unstructure(cfg: Config) -> dict:
+    return converter.unstructure(cfg)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "structure", "unstructure", "attrs"]

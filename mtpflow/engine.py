@@ -1,0 +1,373 @@
+"""Sessions and the generation loop.
+
+A :class:`Session` resolves every plugin once (target adapter, drafter,
+sampler, block and batch policies) into plain objects; the loop then calls the
+round hook once per round.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+from attrs import define, field, frozen
+
+from .config import Config
+from .metrics import SpecDecodingStats
+from .plugins import Plugins, PluginError, get_plugins
+from .state import Request, SamplingParams
+
+
+class LoadError(ValueError):
+    """A model or drafter cannot be resolved or loaded."""
+
+
+@frozen(kw_only=True)
+class DrafterOptions:
+    plugins: Any
+    dtype: str | None
+    position_convention: str
+
+
+@define(kw_only=True)
+class Session:
+    config: Config
+    plugins: Plugins
+    target: Any
+    drafter: Any = None
+    draft_kind: str | None = None
+    tokenizer: Any = None
+    sampler: Any = None
+    block_policy: Any = None
+    batch_policy: Any = None
+    log: Any = None
+    stats: SpecDecodingStats = field(factory=SpecDecodingStats)
+
+    @property
+    def hook(self):
+        return self.plugins.hook
+
+    @property
+    def max_block_size(self) -> int:
+        return max(self.config.draft.block_size, self.config.draft.max_block_size)
+
+    def reset_stats(self) -> None:
+        self.stats = SpecDecodingStats()
+
+
+@frozen(kw_only=True)
+class Event:
+    """Tokens emitted for one request in one round."""
+
+    request_id: str
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@frozen(kw_only=True)
+class GenerationResult:
+    tokens: list[int]
+    text: str | None
+    finish_reason: str | None
+    stats: dict
+
+
+# --------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------
+def default_model_paths() -> tuple[Path, Path]:
+    """The built-in default pair (the ``pair_e`` reference fixtures)."""
+    root = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_gemma4" / "pair_e"
+    if not (root / "target" / "config.json").is_file():
+        raise LoadError(
+            "the built-in default model ships with the source checkout (tests/fixtures); "
+            "pass --model and --draft-model explicitly"
+        )
+    return root / "target", root / "drafter"
+
+
+def resolve_model(name: str) -> Path:
+    """A local folder, or a Hugging Face repo id fetched/cached via huggingface_hub."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise LoadError(f"{name} is a file; pass the model folder that holds config.json")
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise LoadError(f"{name}: no such folder, and not a Hugging Face repo id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"]
+            )
+        )
+    except Exception as exc:  # offline, unknown repo, auth ...
+        kind = type(exc).__name__
+        raise LoadError(
+            f"model {name!r} is not a local folder and could not be fetched from the Hugging Face Hub "
+            f"({kind}); when offline, download it first or pass a local folder"
+        ) from None
+
+
+def _read_config(path: Path) -> dict:
+    from .targets.base import read_config
+
+    return read_config(path)
+
+
+def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | None) -> str:
+    """The drafter kind registered for the checkpoint's ``model_type``; a
+    contradicting ``requested`` kind is overridden with a warning."""
+    mt = drafter_config.get("model_type")
+    detected = None
+    for name, cls in plugins.drafters.items():
+        if mt in getattr(cls, "model_types", ()):
+            detected = name
+            break
+    if detected is None:
+        if requested is None:
+            known = sorted({t for _, c in plugins.drafters.items() for t in c.model_types})
+            raise LoadError(
+                f"unknown drafter model_type {mt!r}; supported: {', '.join(known)} (or pass --draft-kind for a model-free drafter)"
+            )
+        return requested
+    if requested is not None and requested != detected:
+        warnings.warn(
+            f"--draft-kind {requested!r} contradicts the drafter checkpoint (model_type {mt!r}); using {detected!r}",
+            stacklevel=2,
+        )
+        structlog.get_logger("mtpflow").warning("draft_kind_overridden", requested=requested, detected=detected)
+    return detected
+
+
+def load_session(
+    config: Config,
+    plugins: Plugins | None = None,
+    log: Any = None,
+    load_tokenizer: bool = True,
+) -> Session:
+    """Resolve plugins and load target, drafter and tokenizer.
+
+    The drafter/target compatibility check runs on the two config.json files
+    before any weight is read.
+    """
+    plugins = plugins or get_plugins()
+    if config.plugins:
+        from .plugins import make_plugin_manager
+
+        plugins = make_plugin_manager(list(config.plugins))
+    mc = config.model
+    if mc.model is None:
+        tpath, dpath = default_model_paths()
+        draft_model = str(dpath)
+    else:
+        tpath = resolve_model(mc.model)
+        draft_model = mc.draft_model
+    tcfg = _read_config(tpath)
+    mt = tcfg.get("model_type")
+    try:
+        target_cls = plugins.targets.get(mt)
+    except PluginError:
+        raise LoadError(
+            f"{tpath}/config.json: unsupported target model_type {mt!r}; supported: {', '.join(plugins.targets.names())}"
+        ) from None
+
+    drafter_cls = dpath = dcfg = None
+    kind = None
+    if draft_model is not None:
+        dpath = resolve_model(draft_model)
+        dcfg = _read_config(dpath)
+        kind = detect_draft_kind(plugins, dcfg, mc.draft_kind)
+        drafter_cls = plugins.drafters.get(kind)
+        if hasattr(drafter_cls, "check"):
+            drafter_cls.check(tcfg, dcfg)  # before any weight is loaded
+    elif mc.draft_kind is not None:
+        kind = mc.draft_kind
+        drafter_cls = plugins.drafters.get(kind)
+
+    target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
+    drafter = None
+    if drafter_cls is not None:
+        opts = DrafterOptions(plugins=plugins, dtype=mc.dtype, position_convention=config.draft.position)
+        drafter = drafter_cls.load(dpath, target, opts)
+
+    tokenizer = None
+    if load_tokenizer and (tpath / "tokenizer.json").is_file() or (tpath / "tokenizer.model").is_file():
+        from mlx_lm.tokenizer_utils import load as load_tok
+
+        tokenizer = load_tok(tpath, eos_token_ids=sorted(target.eos_ids) or None)
+
+    sc = config.sampling
+    sampler_name = sc.sampler if sc.sampler != "auto" else ("greedy" if sc.temperature <= 0 else "rejection")
+    session = Session(
+        config=config,
+        plugins=plugins,
+        target=target,
+        drafter=drafter,
+        draft_kind=kind,
+        tokenizer=tokenizer,
+        sampler=plugins.samplers.get(sampler_name)(config),
+        block_policy=plugins.block_policies.get(config.draft.policy)(config),
+        batch_policy=plugins.batch_policies.get(config.batch.policy)(config),
+        log=log if log is not None else structlog.get_logger("mtpflow"),
+    )
+    return session
+
+
+# --------------------------------------------------------------------------------------
+# generation
+# --------------------------------------------------------------------------------------
+def make_request(
+    session: Session,
+    prompt: list[int],
+    max_tokens: int | None = None,
+    sampling: SamplingParams | None = None,
+    request_id: str | None = None,
+    speculative: bool = True,
+) -> Request:
+    if not prompt:
+        raise ValueError("the prompt is empty; pass at least one token")
+    sc = session.config.sampling
+    sampling = sampling or SamplingParams(
+        temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
+        repetition_penalty=sc.repetition_penalty, seed=sc.seed,
+    )
+    return Request(
+        id=request_id or uuid.uuid4().hex[:12],
+        prompt=list(prompt),
+        max_tokens=max_tokens or session.config.generation.max_tokens,
+        sampling=sampling,
+        stop_ids=frozenset(session.target.eos_ids),
+        speculative=speculative,
+    )
+
+
+def _select_rows(state, keep: list[int]) -> None:
+    import mlx.core as mx
+
+    idx = mx.array(keep, dtype=mx.int32)
+    for c in state.cache:
+        c.select(idx)
+    state.rows = [state.rows[i] for i in keep]
+    state.last_tokens = state.last_tokens[idx]
+    state.hidden = state.hidden[idx]
+    state.positions = state.positions[idx]
+    for c in state.cache:  # all caches share the one positions array after select
+        c.offset = state.positions
+
+
+def generate_stream(session: Session, requests: Iterable[Request]) -> Iterator[Event]:
+    """Decode a batch of requests; yields :class:`Event` per row per round.
+
+    Rows leave the batch when they finish (EOS or their own ``max_tokens``);
+    with the ``continuous`` batch policy, waiting requests join between rounds.
+    """
+    waiting = list(requests)
+    hook = session.hook
+    policy = session.batch_policy
+    state = None
+    started = False
+    while waiting or (state is not None and state.rows):
+        admit = policy.admit(waiting, 0 if state is None else state.size, started)
+        if admit:
+            waiting = waiting[len(admit) :]
+            new = hook.mtpflow_prefill(session=session, requests=admit)
+            for row in new.rows:
+                row.slot = len(row.generated)
+                yield Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
+            state = new if state is None or not state.rows else _merge(session, state, new)
+        elif state is None or not state.rows:
+            if waiting and started and not policy.joins_between_rounds:
+                started = False  # a static batch is done: start the next one
+                continue
+            break
+        started = True
+        done = [i for i, r in enumerate(state.rows) if r.finished]
+        if done:
+            if len(done) == state.size:
+                state.rows = []
+                continue
+            _select_rows(state, [i for i, r in enumerate(state.rows) if not r.finished])
+        hook.mtpflow_round_protocol(session=session, state=state)
+        yield from _round_events(state)
+
+
+def _round_events(state) -> Iterator[Event]:
+    for row in state.rows:
+        new = row.generated[row.slot :]
+        row.slot = len(row.generated)
+        if new or row.finished:
+            yield Event(request_id=row.request.id, tokens=list(new), finished=row.finished, finish_reason=row.finish_reason)
+
+
+def _merge(session, state, new):
+    import mlx.core as mx
+
+    from .targets.cache import merge_caches
+
+    live = [i for i, r in enumerate(state.rows) if not r.finished]
+    if len(live) != state.size:
+        _select_rows(state, live)
+    state.cache = merge_caches([state.cache, new.cache])
+    state.rows = state.rows + new.rows
+    state.last_tokens = mx.concatenate([state.last_tokens, new.last_tokens])
+    state.hidden = mx.concatenate([state.hidden, new.hidden])
+    state.positions = mx.concatenate([state.positions, new.positions])
+    session.sampler.prepare(state.rows)
+    return state
+
+
+def generate(
+    session: Session,
+    prompt: list[int] | str,
+    max_tokens: int | None = None,
+    sampling: SamplingParams | None = None,
+) -> GenerationResult:
+    """Complete one prompt (token ids, or text when a tokenizer is loaded)."""
+    if isinstance(prompt, str):
+        if session.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids")
+        prompt = session.tokenizer.encode(prompt)
+    req = make_request(session, prompt, max_tokens, sampling)
+    session.reset_stats()
+    tokens: list[int] = []
+    reason = None
+    for ev in generate_stream(session, [req]):
+        tokens.extend(ev.tokens)
+        reason = ev.finish_reason or reason
+    text = session.tokenizer.decode(tokens) if session.tokenizer is not None else None
+    return GenerationResult(tokens=tokens, text=text, finish_reason=reason, stats=session.stats.as_dict())
+
+
+def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) -> list[int]:
+    """Reference decoding with the target alone, one token per forward, through
+    the same adapter (used by tests and benchmarks)."""
+    import mlx.core as mx
+
+    cache = target.make_cache()
+    target.set_offsets(cache, mx.array([0], dtype=mx.int32))
+    h = target.forward(mx.array([prompt], dtype=mx.int32), cache)
+    out: list[int] = []
+    while True:
+        tok = int(mx.argmax(target.logits(h[:, -1]), axis=-1).item())
+        if tok in stop_ids:
+            break
+        out.append(tok)
+        if len(out) >= max_tokens:
+            break
+        h = target.forward(mx.array([[tok]], dtype=mx.int32), cache)
+    return out
+
+
+__all__ = [
+    "Session", "Event", "GenerationResult", "LoadError", "load_session", "generate",
+    "generate_stream", "make_request", "target_only_greedy", "attrs",
+]
