@@ -321,7 +321,7 @@ def _merge(session, state, new):
     state.last_tokens = mx.concatenate([state.last_tokens, new.last_tokens])
     state.hidden = mx.concatenate([state.hidden, new.hidden])
     state.positions = mx.concatenate([state.positions, new.positions])
-    session.sampler.prepare(state.rows)
+    session.sampler.prepare(state.rows, session.target.vocab_size)
     return state
 
 

@@ -17,7 +17,7 @@ class GreedySampler:
     def __init__(self, config=None):
         self.config = config
 
-    def prepare(self, rows) -> None:
+    def prepare(self, rows, vocab_size: int) -> None:
         """Called when the batch composition changes."""
 
     def first(self, logits, state):
@@ -33,6 +33,73 @@ class GreedySampler:
         return AcceptResult(counts=counts, tokens=tokens)
 
 
+class RejectionSampler:
+    """Lossless speculative sampling on the processed target distribution.
+
+    Every row keeps its own PRNG key (from its request's ``seed``), so a row's
+    output depends only on its seed, not on what else is in the batch.  Drafts
+    chosen by argmax are verified with a one-hot ``q``.
+    """
+
+    name = "rejection"
+
+    def __init__(self, config=None):
+        self.config = config
+        self.params = None
+        self.rows = []
+        self._keys: dict[str, object] = {}
+
+    def prepare(self, rows, vocab_size: int) -> None:
+        from mtpflow.sampling import ProcessParams, row_keys
+
+        self.rows = list(rows)
+        self.params = ProcessParams.from_rows([r.request.sampling for r in rows], vocab_size)
+        fresh = [r for r in rows if r.request.id not in self._keys]
+        if fresh:
+            keys = row_keys([r.request.sampling.seed for r in fresh])
+            for i, r in enumerate(fresh):
+                self._keys[r.request.id] = keys[i]
+
+    def _round_keys(self, rows):
+        """This round's key per row; each row's stored key advances."""
+        import mlx.core as mx
+
+        from mtpflow.sampling import split_keys
+
+        if [r.request.id for r in rows] != [r.request.id for r in self.rows]:
+            self.prepare(rows, self.params.vocab_size)
+        keys = mx.stack([self._keys[r.request.id] for r in rows])
+        use, keep = split_keys(keys, 2)
+        for i, r in enumerate(rows):
+            self._keys[r.request.id] = keep[i]
+        return use
+
+    def _context(self, rows):
+        import mlx.core as mx
+
+        if not self.params.use_repetition:
+            return None
+        ctx = [list(r.request.prompt) + list(r.generated) for r in rows]
+        T = max(len(c) for c in ctx)
+        return mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32)
+
+    def first(self, logits, state):
+        from mtpflow.sampling import process_logits, sample
+
+        rows = self.rows if state is None else state.rows
+        lp = process_logits(logits, self.params, self._context(rows))
+        return sample(lp, self._round_keys(rows))
+
+    def accept(self, logits, draft, state):
+        from mtpflow.sampling import process_logits, rejection_accept
+        from mtpflow.state import AcceptResult
+
+        lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
+        counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, self._round_keys(state.rows))
+        return AcceptResult(counts=counts, tokens=tokens)
+
+
 @hookimpl
 def mtpflow_register_samplers(register):
     register("greedy", GreedySampler)
+    register("rejection", RejectionSampler)

@@ -50,7 +50,7 @@ def mtpflow_prefill(session, requests):
             target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
     last_hidden = hidden[:, -1]
     rows = [RowState(request=r, position=n) for r, n in zip(requests, lens)]
-    session.sampler.prepare(rows)
+    session.sampler.prepare(rows, target.vocab_size)
     first = session.sampler.first(target.logits(last_hidden), None)
     mx.eval(first, last_hidden)
     for row, tok in zip(rows, first.tolist()):

@@ -1,0 +1,34 @@
+import os
+
+# tests never autoload third-party plugins; they register what they need
+os.environ.setdefault("MTPFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_gemma4"
+PROMPTS = ("short", "edge", "long")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+def make_session(pair: str = "e", block_size: int = 5, draft: bool = True, plugins=None, **overrides):
+    from mtpflow.config import load_config
+    from mtpflow.engine import load_session
+
+    model = {"model": str(FIXTURES / f"pair_{pair}" / "target")}
+    if draft:
+        model["draft_model"] = str(FIXTURES / f"pair_{pair}" / "drafter")
+    ov = {"model": model, "draft": {"block_size": block_size}}
+    for k, v in overrides.items():
+        ov.setdefault(k, {}).update(v)
+    return load_session(load_config(overrides=ov), plugins=plugins)
+
+
+@pytest.fixture(scope="session")
+def session_factory():
+    return make_session
