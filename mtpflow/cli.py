@@ -87,8 +87,8 @@ def _trace_logger(path: str):
     """A structlog logger writing JSON lines to ``path`` (no global configure)."""
     import structlog
 
-    fh = open(path, "a", buffering=1)
-    return structlog.wrap_logger(
+    fh = open(path, "a", buffering=1)  # closed by cmd_generate
+    return fh, structlog.wrap_logger(
         structlog.WriteLogger(fh),
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), structlog.processors.JSONRenderer()],
     )
@@ -112,12 +112,20 @@ def _encode(session, text: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    cfg = _config_from_args(args)
+    trace_fh, log = _trace_logger(cfg.trace.file) if cfg.trace.file else (None, _quiet_logger())
+    try:
+        return _generate(args, cfg, log)
+    finally:
+        if trace_fh is not None:
+            trace_fh.close()
+
+
+def _generate(args, cfg, log) -> int:
     import time
 
     from .engine import generate_stream, load_session, make_request
 
-    cfg = _config_from_args(args)
-    log = _trace_logger(cfg.trace.file) if cfg.trace.file else _quiet_logger()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         session = load_session(cfg, log=log)

@@ -122,8 +122,31 @@ class Config:
     plugins: list[str] = field(factory=list)
 
 
+def _strict(kind, accept):
+    def hook(value, _type):
+        if not accept(value):
+            raise TypeError(f"expected {kind}, got {type(value).__name__} {value!r}")
+        return value
+
+    return hook
+
+
 def _converter() -> cattrs.Converter:
+    """cattrs converter that rejects unknown keys and lossy coercions
+    (``"no"`` as a bool, ``2.5`` as an int, a string as a list)."""
     c = cattrs.Converter(forbid_extra_keys=True)
+    c.register_structure_hook(bool, _strict("a boolean", lambda v: isinstance(v, bool)))
+    c.register_structure_hook(
+        int, _strict("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+    )
+    c.register_structure_hook(
+        float, lambda v, _: float(_strict("a number", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool))(v, _))
+    )
+    c.register_structure_hook(str, _strict("a string", lambda v: isinstance(v, str)))
+    c.register_structure_hook_func(
+        lambda t: t == list[str],
+        lambda v, _: [c.structure(x, str) for x in _strict("a list", lambda x: isinstance(x, list))(v, _)],
+    )
     return c
 
 
@@ -142,6 +165,8 @@ def _format(exc: BaseException, type_) -> str:
         return "required field missing"
     if isinstance(exc, (ValueError, TypeError)) and type_ is not None and str(exc):
         msg = str(exc)
+        if isinstance(exc, TypeError) and msg.startswith("expected "):
+            return msg
         if "invalid literal" in msg or "could not convert" in msg or isinstance(exc, TypeError):
             return f"expected {getattr(type_, '__name__', type_)} ({msg})"
         return msg

@@ -144,7 +144,6 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
             f"--draft-kind {requested!r} contradicts the drafter checkpoint (model_type {mt!r}); using {detected!r}",
             stacklevel=2,
         )
-        structlog.get_logger("mtpflow").warning("draft_kind_overridden", requested=requested, detected=detected)
     return detected
 
 
@@ -200,7 +199,7 @@ def load_session(
         drafter = drafter_cls.load(dpath, target, opts)
 
     tokenizer = None
-    if load_tokenizer and (tpath / "tokenizer.json").is_file() or (tpath / "tokenizer.model").is_file():
+    if load_tokenizer and ((tpath / "tokenizer.json").is_file() or (tpath / "tokenizer.model").is_file()):
         from mlx_lm.tokenizer_utils import load as load_tok
 
         tokenizer = load_tok(tpath, eos_token_ids=sorted(target.eos_ids) or None)
