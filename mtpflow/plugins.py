@@ -201,7 +201,7 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
     registries = {kind: Registry(kind) for kind in _REQUIRED}
     for kind, reg in registries.items():
         caller = getattr(pm.hook, f"mtpflow_register_{kind}")
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        for impl in caller.get_hookimpls():  # registration order: built-ins first
             reg._current_plugin = impl.plugin_name
             impl.function(register=reg.register)
         reg._current_plugin = "?"

@@ -16,12 +16,12 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
-def make_session(pair: str = "e", block_size: int = 5, draft: bool = True, plugins=None, **overrides):
+def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True, plugins=None, **overrides):
     from mtpflow.config import load_config
     from mtpflow.engine import load_session
 
     model = {"model": str(FIXTURES / f"pair_{pair}" / "target")}
-    if draft:
+    if with_drafter:
         model["draft_model"] = str(FIXTURES / f"pair_{pair}" / "drafter")
     ov = {"model": model, "draft": {"block_size": block_size}}
     for k, v in overrides.items():

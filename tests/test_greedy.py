@@ -105,7 +105,7 @@ def test_echo_drafter_plugin_partial_full_and_rollback():
     reference target of pair d repeats itself, so rounds accept 0, some or all."""
     log = RoundLog()
     pm = make_plugin_manager(["mtpflow_echo", log])
-    s = make_session("d", block_size=4, draft=False, plugins=pm, model={"draft_kind": "echo"})
+    s = make_session("d", block_size=4, with_drafter=False, plugins=pm, model={"draft_kind": "echo"})
     assert s.draft_kind == "echo"
     for name in ("short", "edge"):
         ids = prompt("d", name)
@@ -155,7 +155,7 @@ class ScriptedPlugin:
 def test_any_proposals_leave_greedy_output_unchanged(seed, wrong, block):
     if "scripted" not in _refs:
         pm = make_plugin_manager([ScriptedPlugin()])
-        _refs["scripted"] = make_session("e", draft=False, plugins=pm, model={"draft_kind": "scripted"})
+        _refs["scripted"] = make_session("e", with_drafter=False, plugins=pm, model={"draft_kind": "scripted"})
     s = _refs["scripted"]
     assert s.draft_kind == "scripted"
     s.block_policy.size = block

@@ -507,6 +507,23 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     raise GGUFError(f"rope scaling {kind!r} in {arch} GGUF files is not supported")
 
 
+def _sliding_window_pattern(meta: dict[str, Any], arch: str, n_layer: int) -> int:
+    """Period of Gemma's local/global layers (every N-th layer is global).
+
+    Older GGUFs omit it (Gemma 3 uses 6); newer ones may store an int or a
+    per-layer list of booleans (True = sliding).
+    """
+    raw = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if not isinstance(raw, list):
+        return int(raw)
+    flags = [bool(v) for v in raw]
+    period = flags.index(False) + 1 if False in flags else n_layer + 1
+    expected = [(i + 1) % period != 0 for i in range(len(flags))]
+    if flags != expected:
+        raise GGUFError(f"{arch} sliding-window layer layout {raw} is not periodic; unsupported")
+    return period
+
+
 def _build_config(
     meta: dict[str, Any],
     arch: str,
@@ -561,9 +578,7 @@ def _build_config(
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": qscalar,
         "sliding_window": int(_get(meta, arch, "attention.sliding_window", 512)),
-        "sliding_window_pattern": int(
-            _get(meta, arch, "attention.sliding_window_pattern", 6)
-        ),
+        "sliding_window_pattern": _sliding_window_pattern(meta, arch, hp["n_layer"]),
         "rope_local_base_freq": 10000.0,
     }
 
@@ -699,7 +714,9 @@ def _build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         single, pair = f"{single} {eos}", f"{pair} {eos}"
         specials.append((eos, ids["eos"]))
     if specials:
-        post.append(processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials))
+        post.append(
+            processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+        )
     if post:
         tok.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
 
