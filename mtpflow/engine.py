@@ -263,40 +263,85 @@ def _select_rows(state, keep: list[int]) -> None:
         c.offset = state.positions
 
 
+class Batcher:
+    """Drives a batch incrementally: :meth:`add` requests at any time,
+    :meth:`step` admits waiting requests (per the batch policy), runs one
+    round and returns the events.  Rows leave when they finish (EOS, their own
+    ``max_tokens``, or :meth:`cancel`); compute shrinks with them."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.waiting: list[Request] = []
+        self.state = None
+        self.started = False
+
+    def add(self, requests: Iterable[Request]) -> None:
+        self.waiting.extend(requests)
+
+    @property
+    def live(self) -> int:
+        return 0 if self.state is None else sum(not r.finished for r in self.state.rows)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.live == 0
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request (a client went away); its row leaves at the next step."""
+        before = len(self.waiting)
+        self.waiting = [r for r in self.waiting if r.id != request_id]
+        if len(self.waiting) != before:
+            return True
+        for row in self.state.rows if self.state is not None else []:
+            if row.request.id == request_id and not row.finished:
+                row.finished, row.finish_reason = True, "cancelled"
+                return True
+        return False
+
+    def _drop_finished(self) -> None:
+        st = self.state
+        if st is None:
+            return
+        keep = [i for i, r in enumerate(st.rows) if not r.finished]
+        if not keep:
+            self.state = None
+            if not self.session.batch_policy.joins_between_rounds:
+                self.started = False  # a static batch is done: the next one may start
+        elif len(keep) != st.size:
+            _select_rows(st, keep)
+
+    def step(self) -> list[Event]:
+        session = self.session
+        events: list[Event] = []
+        self._drop_finished()
+        admit = session.batch_policy.admit(self.waiting, self.live, self.started)
+        if admit:
+            self.waiting = self.waiting[len(admit) :]
+            new = session.hook.mtpflow_prefill(session=session, requests=admit)
+            for row in new.rows:
+                row.slot = len(row.generated)
+                events.append(
+                    Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
+                )
+            self.state = new if self.state is None else _merge(session, self.state, new)
+            self.started = True
+            self._drop_finished()
+        if self.state is not None:
+            session.hook.mtpflow_round_protocol(session=session, state=self.state)
+            events.extend(_round_events(self.state))
+        return events
+
+
 def generate_stream(session: Session, requests: Iterable[Request]) -> Iterator[Event]:
     """Decode a batch of requests; yields :class:`Event` per row per round.
 
     Rows leave the batch when they finish (EOS or their own ``max_tokens``);
     with the ``continuous`` batch policy, waiting requests join between rounds.
     """
-    waiting = list(requests)
-    hook = session.hook
-    policy = session.batch_policy
-    state = None
-    started = False
-    while waiting or (state is not None and state.rows):
-        admit = policy.admit(waiting, 0 if state is None else state.size, started)
-        if admit:
-            waiting = waiting[len(admit) :]
-            new = hook.mtpflow_prefill(session=session, requests=admit)
-            for row in new.rows:
-                row.slot = len(row.generated)
-                yield Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
-            state = new if state is None or not state.rows else _merge(session, state, new)
-        elif state is None or not state.rows:
-            if waiting and started and not policy.joins_between_rounds:
-                started = False  # a static batch is done: start the next one
-                continue
-            break
-        started = True
-        done = [i for i, r in enumerate(state.rows) if r.finished]
-        if done:
-            if len(done) == state.size:
-                state.rows = []
-                continue
-            _select_rows(state, [i for i, r in enumerate(state.rows) if not r.finished])
-        hook.mtpflow_round_protocol(session=session, state=state)
-        yield from _round_events(state)
+    batcher = Batcher(session)
+    batcher.add(requests)
+    while not batcher.idle:
+        yield from batcher.step()
 
 
 def _round_events(state) -> Iterator[Event]:
@@ -312,9 +357,6 @@ def _merge(session, state, new):
 
     from .targets.cache import merge_caches
 
-    live = [i for i, r in enumerate(state.rows) if not r.finished]
-    if len(live) != state.size:
-        _select_rows(state, live)
     state.cache = merge_caches([state.cache, new.cache])
     state.rows = state.rows + new.rows
     state.last_tokens = mx.concatenate([state.last_tokens, new.last_tokens])

@@ -90,7 +90,16 @@ def mtpflow_verify(session, state, draft):
 
 @hookimpl
 def mtpflow_accept(session, state, draft, verify):
-    return session.sampler.accept(verify.logits, draft, state)
+    acc = session.sampler.accept(verify.logits, draft, state)
+    if draft.n_draft == 0 or all(r.request.speculative for r in state.rows):
+        return acc
+    # rows that asked for no speculation: nothing accepted, and their token
+    # comes straight from the target distribution at the first position
+    spec = mx.array([r.request.speculative for r in state.rows])
+    own = session.sampler.first(verify.logits[:, 0], state)
+    counts = mx.where(spec, acc.counts, 0)
+    first = mx.where(spec, acc.tokens[:, 0], own)
+    return AcceptResult(counts=counts, tokens=mx.concatenate([first[:, None], acc.tokens[:, 1:]], axis=1))
 
 
 @hookimpl
@@ -124,7 +133,8 @@ def mtpflow_round_protocol(session, state):
     block = session.block_policy.block_size(session.stats)
     # never draft past the longest remaining budget
     remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
-    n_draft = max(0, min(block - 1, remaining - 1)) if session.drafter is not None else 0
+    drafting = session.drafter is not None and any(r.request.speculative for r in state.rows)
+    n_draft = max(0, min(block - 1, remaining - 1)) if drafting else 0
     B = state.size
     if n_draft > 0:
         shared = hook.mtpflow_bind_shared_kv(session=session, state=state)

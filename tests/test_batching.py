@@ -1,0 +1,106 @@
+"""Batches with ragged acceptance, rows that leave, and rows that join."""
+
+import json
+
+import pytest
+from conftest import FIXTURES, make_session
+
+from mtpflow import hookimpl
+from mtpflow.engine import Batcher, generate_stream, make_request, target_only_greedy
+from mtpflow.plugins import make_plugin_manager
+
+
+def prompts(pair):
+    base = [json.loads((FIXTURES / f"pair_{pair}" / f"generate_{n}.json").read_text())["prompt_ids"] for n in ("short", "edge", "long")]
+    long_ = base[2]
+    # lengths 3 .. 56: several past the 16-token sliding window
+    return [base[0][:3], base[0], base[1], long_[:25], long_, long_ + base[1], base[1][::-1], long_[5:35]]
+
+
+class Rounds:
+    def __init__(self):
+        self.records = []
+
+    @hookimpl
+    def mtpflow_emit(self, session, record, emitted):
+        self.records.append(record)
+
+
+_refs = {}
+
+
+def ref(s, pair, p, n):
+    key = (pair, tuple(p), n)
+    if key not in _refs:
+        _refs[key] = target_only_greedy(s.target, p, n, s.target.eos_ids)
+    return _refs[key]
+
+
+@pytest.mark.parametrize("pair", ["e", "d"])
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_ragged_batch_equals_target_only_per_row(pair, batch):
+    rounds = Rounds()
+    s = make_session(pair, block_size=5, plugins=make_plugin_manager([rounds], autoload=False), batch={"max_batch_size": 8})
+    ps = prompts(pair)[:batch]
+    max_tokens = [30, 7, 45, 12, 33, 20, 26, 18][:batch]
+    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(ps, max_tokens))]
+    out = {r.id: [] for r in reqs}
+    for ev in generate_stream(s, reqs):
+        out[ev.request_id].extend(ev.tokens)
+    for r in reqs:
+        assert out[r.id] == ref(s, pair, r.prompt, r.max_tokens), r.id
+    if batch > 1:
+        sizes = [rec.batch_size for rec in rounds.records]
+        assert sizes[0] == batch and sizes[-1] < batch  # rows left as they finished
+        assert sorted(sizes, reverse=True) == sizes
+    if batch >= 5:
+        ragged = [rec for rec in rounds.records if len(set(rec.accepted)) > 1]
+        assert ragged, "rows should accept different numbers of drafts in one round"
+
+
+def test_continuous_batching_admits_between_rounds():
+    rounds = Rounds()
+    s = make_session("e", block_size=4, plugins=make_plugin_manager([rounds], autoload=False),
+                     batch={"policy": "continuous", "max_batch_size": 3})
+    ps = prompts("e")
+    reqs = [make_request(s, p, max_tokens=8 + 5 * i, request_id=str(i)) for i, p in enumerate(ps)]
+    b = Batcher(s)
+    b.add(reqs[:2])
+    out = {r.id: [] for r in reqs}
+    steps = 0
+    while not b.idle:
+        for ev in b.step():
+            out[ev.request_id].extend(ev.tokens)
+        steps += 1
+        if steps == 3:
+            b.add(reqs[2:])  # arrive while others decode
+        assert b.live <= 3
+    for r in reqs:
+        assert out[r.id] == ref(s, "e", r.prompt, r.max_tokens), r.id
+    sizes = [rec.batch_size for rec in rounds.records]
+    assert max(sizes) == 3 and 2 in sizes[:3]
+
+
+def test_cancel_frees_the_row():
+    s = make_session("e", block_size=4, batch={"policy": "continuous"})
+    reqs = [make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(prompts("e")[:3])]
+    b = Batcher(s)
+    b.add(reqs)
+    b.step()
+    assert b.live == 3
+    assert b.cancel("1")
+    evs = b.step()
+    assert b.live == 2 and all(ev.request_id != "1" or ev.finish_reason == "cancelled" for ev in evs)
+    assert not b.cancel("nope")
+
+
+def test_speculative_false_row_decodes_with_the_target_alone():
+    s = make_session("e", block_size=5)
+    ps = prompts("e")
+    a = make_request(s, ps[4], max_tokens=20, request_id="spec")
+    b = make_request(s, ps[2], max_tokens=20, request_id="plain", speculative=False)
+    out = {"spec": [], "plain": []}
+    for ev in generate_stream(s, [a, b]):
+        out[ev.request_id].extend(ev.tokens)
+    assert out["spec"] == ref(s, "e", a.prompt, 20)
+    assert out["plain"] == ref(s, "e", b.prompt, 20)
