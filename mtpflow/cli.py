@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_arguments(d)
 
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with speculative decoding")
+    from .server import add_serve_arguments
+
+    add_serve_arguments(s)
+
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model folder")
     try:
         from .convert.cli import add_arguments as add_convert_arguments
@@ -224,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             from .doctor import main_doctor
 
             return main_doctor(args)
+        if args.command == "serve":
+            from .server import run_serve
+
+            return run_serve(args)
         if args.command == "convert":
             from .convert.cli import run as run_convert
 
@@ -231,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `mtpflow plugins | head`
+        sys.stderr.close()
+        return 0
     except Exception as exc:  # one line, no traceback, non-zero exit
         if _is_user_error(exc):
             print(f"mtpflow: error: {exc}", file=sys.stderr)

@@ -152,17 +152,23 @@ def load_session(
     plugins: Plugins | None = None,
     log: Any = None,
     load_tokenizer: bool = True,
+    extra_plugins: list | None = None,
 ) -> Session:
     """Resolve plugins and load target, drafter and tokenizer.
 
-    The drafter/target compatibility check runs on the two config.json files
-    before any weight is read.
+    ``plugins``: a ready plugin manager (default: the process-wide one).
+    ``extra_plugins``: plugin objects or module names to load on top of the
+    installed ones and the config's ``plugins`` list.  The drafter/target
+    compatibility check runs on the two config.json files before any weight
+    is read.  MLX work must stay on the thread that loaded the session.
     """
-    plugins = plugins or get_plugins()
-    if config.plugins:
+    if plugins is not None and (config.plugins or extra_plugins):
+        raise ValueError("pass either a ready plugin manager or plugins to load (config.plugins / extra_plugins), not both")
+    if config.plugins or extra_plugins:
         from .plugins import make_plugin_manager
 
-        plugins = make_plugin_manager(list(config.plugins))
+        plugins = make_plugin_manager(list(extra_plugins or []) + list(config.plugins))
+    plugins = plugins or get_plugins()
     mc = config.model
     if mc.model is None:
         tpath, dpath = default_model_paths()
@@ -205,7 +211,9 @@ def load_session(
         tokenizer = load_tok(tpath, eos_token_ids=sorted(target.eos_ids) or None)
 
     sc = config.sampling
-    sampler_name = sc.sampler if sc.sampler != "auto" else ("greedy" if sc.temperature <= 0 else "rejection")
+    # "auto": the rejection sampler, which verifies greedy rows by exact argmax
+    # matching and samples the others losslessly (per request)
+    sampler_name = sc.sampler if sc.sampler != "auto" else "rejection"
     session = Session(
         config=config,
         plugins=plugins,

@@ -368,7 +368,7 @@ def _prefix_count(match: mx.array) -> mx.array:
     return mx.sum(mx.cumprod(match.astype(mx.int32), axis=1), axis=1).astype(mx.int32)
 
 
-def greedy_accept(target_logits: Any, draft_tokens: Any) -> tuple[mx.array, mx.array]:
+def greedy_accept(target_logits: Any, draft_tokens: Any, active: Any = None) -> tuple[mx.array, mx.array]:
     """Exact-match acceptance against the target argmax.
 
     ``target_logits`` ``[B, k+1, V]`` (raw or processed -- argmax is the
@@ -376,11 +376,15 @@ def greedy_accept(target_logits: Any, draft_tokens: Any) -> tuple[mx.array, mx.a
     Returns ``counts`` ``[B]`` int32 (longest prefix with
     ``draft == argmax``) and ``tokens`` ``[B, k+1]`` int32 = the argmax at
     every position; the caller emits ``tokens[b, :counts[b] + 1]``.
+    ``active`` ``[B]`` bool (optional): inactive rows accept nothing.
     """
     sel = mx.argmax(_as_array(target_logits), axis=-1).astype(mx.int32)
     k = sel.shape[1] - 1
     d = mx.array(draft_tokens).astype(mx.int32).reshape(sel.shape[0], k)
-    counts = _prefix_count(d == sel[:, :k])
+    match = d == sel[:, :k]
+    if active is not None:
+        match = match & _as_array(active)[:, None]
+    counts = _prefix_count(match)
     return counts, sel
 
 
@@ -389,6 +393,7 @@ def rejection_accept(
     draft_tokens: Any,
     draft_probs: Any,
     key: Any,
+    active: Any = None,
 ) -> tuple[mx.array, mx.array]:
     """Lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
 
@@ -418,6 +423,8 @@ def rejection_accept(
     One ``key`` (split internally), either a single PRNG key or per-row keys
     ``[B, 2]`` (see :func:`sample`); same key -> same result; no host sync.
     Greedy rows (one-hot ``p``) reduce exactly to :func:`greedy_accept`.
+    ``active`` ``[B]`` bool (optional): inactive rows accept no draft and draw
+    their first token from ``p`` itself (target-only sampling).
     """
     lp = _as_array(target_logprobs)
     B, k1, V = lp.shape
@@ -446,6 +453,10 @@ def rejection_accept(
         resid = mx.maximum(p - q, 0.0)
         resid_empty = mx.sum(resid, axis=-1) <= 0.0
         resid_log = mx.log(resid)
+    if active is not None:
+        act = _as_array(active)[:, None]
+        accept = accept & act
+        resid_empty = resid_empty | ~act
     resid_log = mx.where(resid_empty[..., None], lp_d, resid_log)
     correction = sample(resid_log, k_corr)  # [B, k]
 

@@ -93,11 +93,15 @@ class SharedKV:
 class DraftBlock:
     """Drafted tokens ``[B, k]`` (``k`` may be 0) and, for sampling, the
     drafter's processed distribution: ``probs`` ``[B, k, V]`` or ``None`` when
-    the drafter drafted by argmax (then ``q`` is one-hot)."""
+    the drafter drafted by argmax (then ``q`` is one-hot).  An inactive row
+    accepts nothing and takes its token from the target distribution alone."""
 
     tokens: Any = array_field()
     n_draft: int
     probs: Any = array_field(default=None)
+    #: ``[B]`` bool, rows whose drafts may be accepted; ``None`` = all rows
+    #: (rows of requests with ``speculative=False`` are inactive)
+    active: Any = array_field(default=None)
 
 
 @frozen(kw_only=True)

@@ -1,5 +1,9 @@
 import os
 
+from mtpflow._blas import ensure_fast_blas
+
+# OpenBLAS must be loaded before anything imports mlx (see mtpflow/_blas.py)
+ensure_fast_blas()
 # tests never autoload third-party plugins; they register what they need
 os.environ.setdefault("MTPFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")
 

@@ -29,7 +29,7 @@ class GreedySampler:
         from mtpflow.sampling import greedy_accept
         from mtpflow.state import AcceptResult
 
-        counts, tokens = greedy_accept(logits, draft.tokens)
+        counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
 
@@ -53,10 +53,16 @@ class RejectionSampler:
         from mtpflow.sampling import ProcessParams, row_keys
 
         self.rows = list(rows)
+        live = {r.request.id for r in rows}
+        self._keys = {k: v for k, v in self._keys.items() if k in live}
         self.params = ProcessParams.from_rows([r.request.sampling for r in rows], vocab_size)
         fresh = [r for r in rows if r.request.id not in self._keys]
         if fresh:
-            keys = row_keys([r.request.sampling.seed for r in fresh])
+            import secrets
+
+            # unseeded rows draw from fresh entropy; seeded rows only from their seed
+            seeds = [r.request.sampling.seed if r.request.sampling.seed is not None else secrets.randbits(62) for r in fresh]
+            keys = row_keys(seeds)
             for i, r in enumerate(fresh):
                 self._keys[r.request.id] = keys[i]
 
@@ -66,13 +72,16 @@ class RejectionSampler:
 
         from mtpflow.sampling import split_keys
 
-        if [r.request.id for r in rows] != [r.request.id for r in self.rows]:
-            self.prepare(rows, self.params.vocab_size)
         keys = mx.stack([self._keys[r.request.id] for r in rows])
         use, keep = split_keys(keys, 2)
         for i, r in enumerate(rows):
             self._keys[r.request.id] = keep[i]
         return use
+
+    def _sync(self, rows) -> None:
+        """Rebuild the per-row parameters when rows left or joined."""
+        if len(rows) != len(self.rows) or any(a is not b for a, b in zip(rows, self.rows)):
+            self.prepare(rows, self.params.vocab_size)
 
     def _context(self, rows):
         import mlx.core as mx
@@ -84,18 +93,28 @@ class RejectionSampler:
         return mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32)
 
     def first(self, logits, state):
+        import mlx.core as mx
+
         from mtpflow.sampling import process_logits, sample
 
         rows = self.rows if state is None else state.rows
-        lp = process_logits(logits, self.params, self._context(rows))
-        return sample(lp, self._round_keys(rows))
+        self._sync(rows)
+        keys = self._round_keys(rows)
+        if self.params.all_greedy and self._context(rows) is None:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return sample(process_logits(logits, self.params, self._context(rows)), keys)
 
     def accept(self, logits, draft, state):
-        from mtpflow.sampling import process_logits, rejection_accept
+        from mtpflow.sampling import greedy_accept, process_logits, rejection_accept
         from mtpflow.state import AcceptResult
 
-        lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
-        counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, self._round_keys(state.rows))
+        self._sync(state.rows)
+        keys = self._round_keys(state.rows)
+        if self.params.all_greedy and self._context(state.rows) is None:
+            counts, tokens = greedy_accept(logits, draft.tokens, draft.active)  # no vocab-sized one-hots
+        else:
+            lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
+            counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, keys, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import mlx.core as mx
 
 from mtpflow import hookimpl
@@ -35,11 +36,15 @@ def _finish(row: RowState, new: list[int]) -> list[int]:
 @hookimpl
 def mtpflow_prefill(session, requests):
     target = session.target
-    lens = [len(r.prompt) for r in requests]
+    # identical prompts (n samples of one prompt) are prefilled once
+    unique: dict[tuple, int] = {}
+    index = [unique.setdefault(tuple(r.prompt), len(unique)) for r in requests]
+    prompts = [list(p) for p in unique]
+    lens = [len(p) for p in prompts]
     if min(lens) < 1:
         raise ValueError("every prompt needs at least one token")
     L = max(lens)
-    tokens = mx.array([[PAD_ID] * (L - n) + list(r.prompt) for r, n in zip(requests, lens)], dtype=mx.int32)
+    tokens = mx.array([[PAD_ID] * (L - n) + p for p, n in zip(prompts, lens)], dtype=mx.int32)
     cache = target.make_cache(extra=session.max_block_size + 8)
     target.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
     step = session.config.batch.prefill_step_size
@@ -49,7 +54,12 @@ def mtpflow_prefill(session, requests):
             mx.eval([c.keys for c in cache] + [c.values for c in cache])
             target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
     last_hidden = hidden[:, -1]
-    rows = [RowState(request=r, position=n) for r, n in zip(requests, lens)]
+    if len(prompts) != len(requests):
+        sel = mx.array(index, dtype=mx.int32)
+        for c in cache:
+            c.select(sel)
+        last_hidden = last_hidden[sel]
+    rows = [RowState(request=r, position=len(r.prompt)) for r in requests]
     session.sampler.prepare(rows, target.vocab_size)
     first = session.sampler.first(target.logits(last_hidden), None)
     mx.eval(first, last_hidden)
@@ -60,7 +70,7 @@ def mtpflow_prefill(session, requests):
         cache=cache,
         last_tokens=first,
         hidden=last_hidden,
-        positions=mx.array(lens, dtype=mx.int32),
+        positions=mx.array([r.position for r in rows], dtype=mx.int32),
     )
 
 
@@ -76,7 +86,11 @@ def mtpflow_bind_shared_kv(session, state):
 
 @hookimpl
 def mtpflow_draft_block(session, state, shared, block_size):
-    return session.drafter.propose(session, state, shared, block_size - 1)
+    block = session.drafter.propose(session, state, shared, block_size - 1)
+    if all(r.request.speculative for r in state.rows):
+        return block
+    # rows of requests with speculative=False accept nothing
+    return attrs.evolve(block, active=mx.array([r.request.speculative for r in state.rows]))
 
 
 @hookimpl
@@ -90,16 +104,7 @@ def mtpflow_verify(session, state, draft):
 
 @hookimpl
 def mtpflow_accept(session, state, draft, verify):
-    acc = session.sampler.accept(verify.logits, draft, state)
-    if draft.n_draft == 0 or all(r.request.speculative for r in state.rows):
-        return acc
-    # rows that asked for no speculation: nothing accepted, and their token
-    # comes straight from the target distribution at the first position
-    spec = mx.array([r.request.speculative for r in state.rows])
-    own = session.sampler.first(verify.logits[:, 0], state)
-    counts = mx.where(spec, acc.counts, 0)
-    first = mx.where(spec, acc.tokens[:, 0], own)
-    return AcceptResult(counts=counts, tokens=mx.concatenate([first[:, None], acc.tokens[:, 1:]], axis=1))
+    return session.sampler.accept(verify.logits, draft, state)
 
 
 @hookimpl

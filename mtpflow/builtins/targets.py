@@ -6,6 +6,8 @@ from mtpflow import hookimpl
 @hookimpl
 def mtpflow_register_targets(register):
     from mtpflow.targets.gemma4 import Gemma4Target
+    from mtpflow.targets.mlxlm import MLXLMTarget
 
-    for model_type in Gemma4Target.model_types:
-        register(model_type, Gemma4Target)
+    for cls in (Gemma4Target, MLXLMTarget):
+        for model_type in cls.model_types:
+            register(model_type, cls)
