@@ -20,7 +20,14 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
-def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True, plugins=None, **overrides):
+def quiet_log():
+    """A structlog logger that prints nothing (round events of big batches are long)."""
+    import structlog
+
+    return structlog.wrap_logger(structlog.ReturnLogger())
+
+
+def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True, plugins=None, log=None, **overrides):
     from mtpflow.config import load_config
     from mtpflow.engine import load_session
 
@@ -30,7 +37,7 @@ def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True
     ov = {"model": model, "draft": {"block_size": block_size}}
     for k, v in overrides.items():
         ov.setdefault(k, {}).update(v)
-    return load_session(load_config(overrides=ov), plugins=plugins)
+    return load_session(load_config(overrides=ov), plugins=plugins, log=log if log is not None else quiet_log())
 
 
 @pytest.fixture(scope="session")

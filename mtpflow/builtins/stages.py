@@ -135,6 +135,7 @@ def mtpflow_advance(session, state, draft, verify, accepted):
 def mtpflow_round_protocol(session, state):
     hook = session.hook
     t0 = time.perf_counter()
+    index = state.round
     block = session.block_policy.block_size(session.stats)
     # never draft past the longest remaining budget
     remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
@@ -160,7 +161,7 @@ def mtpflow_round_protocol(session, state):
     emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)
     t3 = time.perf_counter()
     record = RoundRecord(
-        round=state.round,
+        round=index,
         batch_size=B,
         block_size=n_draft + 1,
         drafted=n_draft,
