@@ -42,6 +42,34 @@ def read_config(path: Path) -> dict:
         raise TargetError(f"{cfg_path}: not valid JSON ({exc}); re-download the checkpoint") from None
 
 
+def load_safetensors(path: Path, what: str = "checkpoint") -> dict:
+    """All ``*.safetensors`` tensors of a folder, with one-line errors."""
+    import glob
+
+    import mlx.core as mx
+
+    files = sorted(glob.glob(str(Path(path) / "*.safetensors")))
+    if not files:
+        raise TargetError(f"{path}: no *.safetensors weights; download the full {what}")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as exc:
+            raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated, re-download it") from None
+    return weights
+
+
+def cast_floats(weights: dict, dtype: str | None) -> dict:
+    """Cast floating-point tensors to ``dtype`` (integer buffers stay as they are)."""
+    import mlx.core as mx
+
+    if not dtype:
+        return weights
+    dt = getattr(mx, dtype)
+    return {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+
+
 def read_eos_ids(path: Path, config: dict) -> set[int]:
     """EOS ids from generation_config.json, falling back to config.json."""
     ids: set[int] = set()

@@ -9,13 +9,12 @@ state and the store layers' K/V.
 
 from __future__ import annotations
 
-import glob
 import math
 from pathlib import Path
 
 import mlx.core as mx
 
-from .base import FULL, SLIDING, TargetAdapter, TargetError, read_config, read_eos_ids
+from .base import FULL, SLIDING, TargetAdapter, TargetError, cast_floats, load_safetensors, read_config, read_eos_ids
 
 
 def text_config(config: dict) -> dict:
@@ -88,15 +87,7 @@ class Gemma4Target(TargetAdapter):
         path = Path(path)
         config = config or read_config(path)
         tc = text_config(config)
-        files = sorted(glob.glob(str(path / "*.safetensors")))
-        if not files:
-            raise TargetError(f"{path}: no *.safetensors weights; download the full checkpoint")
-        weights = {}
-        for f in files:
-            try:
-                weights.update(mx.load(f))
-            except Exception as exc:
-                raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated, re-download it") from None
+        weights = load_safetensors(path)
         lm = {}
         for k, v in weights.items():
             if k.startswith("model.language_model."):
@@ -120,9 +111,8 @@ class Gemma4Target(TargetAdapter):
                 class_predicate=lambda p, m: f"{p}.scales" in lm,
             )
         lm = model.sanitize(lm)
-        if dtype and not quant:
-            dt = getattr(mx, dtype)
-            lm = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in lm.items()}
+        if not quant:
+            lm = cast_floats(lm, dtype)
         try:
             model.load_weights(list(lm.items()), strict=True)
         except ValueError as exc:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 import mlx.core as mx
 
 from ...state import DraftBlock
-from ...targets.base import SLIDING, TargetError, read_config
+from ...targets.base import SLIDING, TargetError, cast_floats, load_safetensors, read_config
 from . import MODEL_TYPES
 from .config import check_compatible
 from .masks import drafter_mask
@@ -45,19 +44,7 @@ class Gemma4AssistantDrafter:
         acfg = check_compatible(target.config, read_config(path))
         head_cls = options.plugins.lm_heads.get(acfg.head_kind)
         model = Gemma4AssistantModel(acfg, head_cls)
-        files = sorted(glob.glob(str(path / "*.safetensors")))
-        if not files:
-            raise TargetError(f"{path}: no *.safetensors weights; download the full drafter checkpoint")
-        weights = {}
-        for f in files:
-            try:
-                weights.update(mx.load(f))
-            except Exception as exc:
-                raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated, re-download it") from None
-        weights = model.sanitize(weights)
-        dt = getattr(mx, options.dtype) if options.dtype else None
-        if dt is not None:
-            weights = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+        weights = cast_floats(model.sanitize(load_safetensors(path, "drafter checkpoint")), options.dtype)
         try:
             model.load_weights(list(weights.items()), strict=True)
         except ValueError as exc:
