@@ -105,7 +105,7 @@ def test_trace_writes_one_json_line_per_round(capsys, tmp_path):
     lines = trace.read_text().splitlines()
     assert len(lines) == stats["rounds"] > 0
     recs = [json.loads(ln) for ln in lines]
-    for i, rec in enumerate(recs, 1):
+    for i, rec in enumerate(recs):  # rounds count from 0
         assert TRACE_KEYS <= set(rec), set(rec)
         assert rec["round"] == i
         assert 1 <= rec["block_size"] <= 4
