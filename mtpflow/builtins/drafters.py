@@ -8,3 +8,13 @@ def mtpflow_register_drafters(register):
     from mtpflow.drafters.gemma4_assistant.drafter import Gemma4AssistantDrafter
 
     register("mtp", Gemma4AssistantDrafter)
+
+    from mtpflow.drafters.mtpflow_assistant.drafter import GenericAssistantDrafter
+
+    register("assistant", GenericAssistantDrafter)
+
+    from mtpflow.drafters.draft_model import DraftModelDrafter
+    from mtpflow.drafters.ngram import NgramDrafter
+
+    register("ngram", NgramDrafter)
+    register("model", DraftModelDrafter)

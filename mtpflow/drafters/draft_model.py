@@ -1,0 +1,289 @@
+"""The ``model`` drafter kind: a smaller model with the target's tokenizer.
+
+``--draft-kind model --draft-model PATH`` loads ``PATH`` with the target
+adapter registered for its ``model_type`` and drafts autoregressively with
+its own :class:`~mtpflow.targets.cache.SlotKVCache` (per-row positions).
+
+One :meth:`DraftModelDrafter.propose` per round, for the whole batch, with no
+host synchronisation inside; it
+
+1. brings its per-row bookkeeping up to date with the rows' host-side token
+   lists: how many of last round's proposals each row accepted follows from
+   the row's position (``row.position - p0 - 1``), so the slots of the rejected
+   proposals are invalidated (and trailing slots rejected by every row
+   trimmed) -- the drafter's own rollback;
+2. follows batch changes keyed by ``request.id``: rows that left are selected
+   out of the cache, rows that joined are prefilled (left padding, negative
+   positions) in a fresh cache that is merged in;
+3. runs one *catch-up* forward over the tokens each row emitted since the
+   draft cache last saw it (usually the bonus token alone, two tokens when
+   every proposal was accepted; rows of different lengths are right-padded,
+   the padding slots are invalidated afterwards) and then ``n_draft - 1``
+   single-token forwards, all lazily: ``n_draft`` small forwards per round.
+
+Drafts are chosen by argmax (``DraftBlock.probs`` is ``None``: the rejection
+sampler verifies them with a one-hot ``q``, which keeps sampling lossless).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..state import DraftBlock
+from ..targets.base import TargetError, read_config
+from ..targets.cache import merge_caches
+
+PAD_ID = 0
+
+
+class DraftModelError(TargetError):
+    """The draft model cannot draft for this target."""
+
+
+# --------------------------------------------------------------------------------------
+# compatibility checks
+# --------------------------------------------------------------------------------------
+def _vocab_size(config: dict) -> int | None:
+    v = config.get("vocab_size")
+    if v is None:
+        v = (config.get("text_config") or {}).get("vocab_size")
+    return v
+
+
+def check_vocab(target_config: dict, drafter_config: dict) -> None:
+    tv, dv = _vocab_size(target_config), _vocab_size(drafter_config)
+    if tv is None or dv is None:
+        raise DraftModelError("draft model or target config.json has no vocab_size; cannot check that they share a vocabulary")
+    if tv != dv:
+        raise DraftModelError(
+            f"the draft model's vocab_size ({dv}) differs from the target's ({tv}); "
+            "a draft model must share the target's tokenizer and vocabulary"
+        )
+
+
+def tokenizer_vocab(path: Path) -> dict[str, int] | None:
+    """``token -> id`` of ``path/tokenizer.json`` (model vocab + added tokens),
+    or ``None`` when the folder has no tokenizer.json."""
+    f = Path(path) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DraftModelError(f"{f}: not valid JSON ({exc})") from None
+    vocab = (data.get("model") or {}).get("vocab")
+    out: dict[str, int] = {}
+    if isinstance(vocab, dict):  # BPE / WordPiece / WordLevel
+        out.update({str(k): int(v) for k, v in vocab.items()})
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        out.update({str(p[0] if isinstance(p, (list, tuple)) else p): i for i, p in enumerate(vocab)})
+    for t in data.get("added_tokens") or []:
+        out[str(t["content"])] = int(t["id"])
+    return out
+
+
+def check_tokenizers(target_path: Path, drafter_path: Path) -> None:
+    """If both folders ship tokenizer.json, their vocabularies must be identical."""
+    tv, dv = tokenizer_vocab(target_path), tokenizer_vocab(drafter_path)
+    if tv is None or dv is None or tv == dv:
+        return
+    tf, df = Path(target_path) / "tokenizer.json", Path(drafter_path) / "tokenizer.json"
+    only_d = sorted(set(dv) - set(tv))
+    only_t = sorted(set(tv) - set(dv))
+    moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])
+    detail = []
+    if moved:
+        t = moved[0]
+        detail.append(f"token {t!r} has id {dv[t]} in the draft model but {tv[t]} in the target ({len(moved)} tokens differ)")
+    if only_d:
+        detail.append(f"{len(only_d)} token(s) only in the draft model's, e.g. {only_d[0]!r}")
+    if only_t:
+        detail.append(f"{len(only_t)} token(s) only in the target's, e.g. {only_t[0]!r}")
+    raise DraftModelError(
+        f"tokenizer mismatch: {df} differs from {tf} ({'; '.join(detail)}); "
+        "a draft model must use exactly the target's tokenizer"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# the drafter
+# --------------------------------------------------------------------------------------
+class _Row:
+    """Host bookkeeping of one row of the draft cache."""
+
+    __slots__ = ("request", "fed", "p0")
+
+    def __init__(self, request, fed: int):
+        self.request = request  # identity: a reused request id is a new row
+        self.fed = fed  # positions 0 .. fed-1 of the row are valid in the draft cache
+        self.p0 = None  # position of the row's last token at the last propose
+
+
+class DraftModelDrafter:
+    """Classic speculative decoding with a small autoregressive draft model."""
+
+    kind = "model"
+    model_types = ()  # chosen explicitly with --draft-kind model
+    needs = frozenset()  # reads nothing from the target
+
+    def __init__(self, model, extra: int = 16, prefill_step: int = 512):
+        self.model = model  # a target adapter (forward / logits / make_cache / compact)
+        self.extra = extra
+        self.prefill_step = prefill_step
+        self.cache = None
+        self.ids: list[str] = []  # request id of every cache row, in cache order
+        self.rows: dict[str, _Row] = {}
+        self.tail = 0  # drafted slots at the end of the cache (last propose)
+        self.round = None  # state.round at the last propose
+
+    @classmethod
+    def check(cls, target_config: dict, drafter_config: dict) -> None:
+        check_vocab(target_config, drafter_config)
+
+    @classmethod
+    def load(cls, path, target, options) -> "DraftModelDrafter":
+        if path is None:
+            raise DraftModelError("--draft-kind model needs --draft-model PATH (a smaller model with the target's tokenizer)")
+        path = Path(path)
+        cfg = read_config(path)
+        check_vocab(target.config, cfg)
+        check_tokenizers(target.path, path)  # before any draft weight is read
+        mt = cfg.get("model_type")
+        try:
+            adapter = options.plugins.targets.get(mt)
+        except Exception:
+            raise DraftModelError(
+                f"{path}/config.json: no target adapter for draft model_type {mt!r}; "
+                f"supported: {', '.join(options.plugins.targets.names())}"
+            ) from None
+        model = adapter.from_path(path, cfg, dtype=options.dtype)
+        if model.vocab_size != target.vocab_size:
+            raise DraftModelError(f"the draft model's vocab_size ({model.vocab_size}) differs from the target's ({target.vocab_size})")
+        return cls(model)
+
+    # -- cache maintenance -------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache, self.ids, self.rows, self.tail, self.round = None, [], {}, 0, None
+
+    def _invalidate_from(self, limit: mx.array) -> None:
+        """Mark every slot at a position ``>= limit[b]`` of row ``b`` empty."""
+        for c in self.cache:
+            if c.idx:
+                pos = c.positions[:, : c.idx]
+                c.positions[:, : c.idx] = mx.where(pos >= limit[:, None], -1, pos)
+
+    def _rollback(self, state) -> None:
+        """Account for last round's acceptance; invalidate/trim rejected drafts."""
+        if self.cache is None:
+            return
+        one_round = self.round is not None and state.round == self.round + 1
+        live = {r.request.id: r for r in state.rows}
+        kept_draft = 0
+        for rid in self.ids:
+            info, row = self.rows[rid], live.get(rid)
+            if row is None or row.request is not info.request or info.p0 is None:
+                continue
+            # accepted proposals n = row.position - p0 - 1 when exactly one round ran;
+            # otherwise keep only what was verified before drafting (always correct)
+            n = row.position - info.p0 - 1 if one_round else 0
+            n = max(0, min(n, self.tail))
+            info.fed = info.p0 + 1 + n
+            kept_draft = max(kept_draft, n)
+        trim = self.tail - kept_draft
+        if trim:
+            for c in self.cache:
+                c.idx -= trim
+        self.tail = 0
+        limit = mx.array([self.rows[rid].fed for rid in self.ids], dtype=mx.int32)
+        self._invalidate_from(limit)
+
+    def _prefill(self, seqs: list[list[int]]):
+        """A fresh cache holding ``seqs`` (left padded, negative positions)."""
+        target = self.model
+        lens = [len(s) for s in seqs]
+        L = max(lens)
+        tokens = mx.array([[PAD_ID] * (L - n) + s for s, n in zip(seqs, lens)], dtype=mx.int32)
+        cache = target.make_cache(extra=self.extra)
+        target.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+        step = self.prefill_step
+        for s in range(0, L, step):
+            target.forward(tokens[:, s : s + step], cache)
+            if s + step < L:
+                mx.eval([c.keys for c in cache] + [c.values for c in cache])
+                target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
+        return cache
+
+    def _sync_rows(self, state) -> None:
+        """Make the cache rows the state's rows, in the state's order."""
+        want = [r.request.id for r in state.rows]
+        if self.ids == want and all(self.rows[r.request.id].request is r.request for r in state.rows):
+            return
+        keep = [
+            i for i, rid in enumerate(self.ids)
+            if rid in set(want) and any(r.request is self.rows[rid].request for r in state.rows if r.request.id == rid)
+        ]
+        if self.cache is not None and keep and len(keep) != len(self.ids):
+            idx = mx.array(keep, dtype=mx.int32)
+            for c in self.cache:
+                c.select(idx)
+        if not keep:
+            self.cache = None
+        ids = [self.ids[i] for i in keep]
+        self.rows = {rid: self.rows[rid] for rid in ids}
+        new_rows = [r for r in state.rows if r.request.id not in self.rows]
+        if new_rows:
+            # all but the last token: the last one is the input of the first draft step
+            seqs = [(list(r.request.prompt) + list(r.generated))[:-1] for r in new_rows]
+            fresh = self._prefill(seqs)
+            for r, s in zip(new_rows, seqs):
+                self.rows[r.request.id] = _Row(r.request, len(s))
+            ids += [r.request.id for r in new_rows]
+            self.cache = fresh if self.cache is None else merge_caches([self.cache, fresh])
+        if ids != want:
+            perm = mx.array([ids.index(rid) for rid in want], dtype=mx.int32)
+            for c in self.cache:
+                c.select(perm)
+        self.ids = want
+
+    # -- drafting ------------------------------------------------------------------------
+    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
+        B = state.size
+        if n_draft <= 0:
+            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+        target = self.model
+        self._rollback(state)
+        self._sync_rows(state)
+        infos = [self.rows[rid] for rid in self.ids]
+        fed = [i.fed for i in infos]
+        target.compact(self.cache, n_valid_max=max(fed), min_positions=fed)
+
+        # catch-up: every token a row emitted since the cache last saw it (right padded)
+        seqs = [list(r.request.prompt) + list(r.generated) for r in state.rows]
+        catch = [s[f:] for s, f in zip(seqs, fed)]
+        lens = [len(c) for c in catch]
+        L = max(lens)
+        tokens = mx.array([c + [PAD_ID] * (L - n) for c, n in zip(catch, lens)], dtype=mx.int32)
+        target.set_offsets(self.cache, mx.array(fed, dtype=mx.int32))
+        hidden = target.forward(tokens, self.cache)
+        nxt = mx.array([len(s) for s in seqs], dtype=mx.int32)  # p0 + 1 per row
+        if L > 1:
+            last = mx.array([n - 1 for n in lens], dtype=mx.int32)
+            hidden = mx.take_along_axis(hidden, last[:, None, None], axis=1)
+            if min(lens) < L:
+                self._invalidate_from(nxt)  # the padding slots
+        tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
+        out = [tok]
+        for j in range(n_draft - 1):
+            target.set_offsets(self.cache, nxt + j)
+            hidden = target.forward(tok[:, None], self.cache)
+            tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
+            out.append(tok)
+        for info, s in zip(infos, seqs):
+            info.fed = len(s)  # catch-up tokens are real tokens
+            info.p0 = len(s) - 1
+        self.tail = n_draft - 1
+        self.round = state.round
+        return DraftBlock(tokens=mx.stack(out, axis=1), n_draft=n_draft)
