@@ -1,0 +1,81 @@
+"""The ``assistant`` drafter kind (``model_type: mtpflow_assistant``).
+
+The propose loop and the K/V hand-over masks are the Gemma 4 assistant's
+(:class:`~mtpflow.drafters.gemma4_assistant.drafter.Gemma4AssistantDrafter`),
+reused by subclassing: only loading, the model and the check differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ...targets.base import TargetError, read_config
+from ..gemma4_assistant.drafter import Gemma4AssistantDrafter
+from . import MODEL_TYPES
+from .config import check_compatible
+from .model import GenericAssistantModel
+
+WEIGHTS = "model.safetensors"
+
+
+def save_drafter(model: GenericAssistantModel, out_dir, dtype: str | None = None, extra_files: dict | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (Hugging Face-style folder)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(model.config)
+    weights = dict(tree_flatten(model.parameters()))
+    if dtype:
+        dt = getattr(mx, dtype)
+        weights = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+        cfg["torch_dtype"] = dtype
+    mx.save_safetensors(str(out / WEIGHTS), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name, text in (extra_files or {}).items():
+        (out / name).write_text(text)
+    return out
+
+
+def load_model(path, target, dtype: str | None = None) -> GenericAssistantModel:
+    path = Path(path)
+    cfg = check_compatible(target.config, read_config(path))
+    model = GenericAssistantModel(cfg, target)
+    f = path / WEIGHTS
+    if not f.is_file():
+        raise TargetError(f"{path}: no {WEIGHTS}")
+    try:
+        weights = mx.load(str(f))
+    except Exception as exc:
+        raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated") from None
+    dt = getattr(mx, dtype) if dtype else mx.float32
+    weights = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise TargetError(f"{path}: drafter weights do not match its config.json ({exc})") from None
+    mx.eval(model.parameters())
+    return model
+
+
+class GenericAssistantDrafter(Gemma4AssistantDrafter):
+    """KV-sharing MTP drafter for any target (reads ``hidden`` + ``shared_kv``)."""
+
+    kind = "assistant"
+    model_types = MODEL_TYPES
+    needs = frozenset({"hidden", "shared_kv"})
+
+    @classmethod
+    def check(cls, target_config: dict, drafter_config: dict):
+        return check_compatible(target_config, drafter_config)
+
+    @classmethod
+    def load(cls, path, target, options) -> "GenericAssistantDrafter":
+        model = load_model(path, target, getattr(options, "dtype", None))
+        return cls(model, getattr(options, "position_convention", "bonus"))
+
+    @classmethod
+    def from_model(cls, model: GenericAssistantModel, position_convention: str = "bonus") -> "GenericAssistantDrafter":
+        return cls(model, position_convention)
