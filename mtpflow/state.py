@@ -134,6 +134,8 @@ class RowState:
     finished: bool = False
     finish_reason: str | None = None
     slot: int = 0
+    #: the row's PRNG key (set and advanced by the sampler; from the request's seed)
+    rng: Any = array_field(default=None)
 
 
 @define(kw_only=True)

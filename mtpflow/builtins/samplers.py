@@ -47,16 +47,13 @@ class RejectionSampler:
         self.config = config
         self.params = None
         self.rows = []
-        self._keys: dict[str, object] = {}
 
     def prepare(self, rows, vocab_size: int) -> None:
         from mtpflow.sampling import ProcessParams, row_keys
 
         self.rows = list(rows)
-        live = {r.request.id for r in rows}
-        self._keys = {k: v for k, v in self._keys.items() if k in live}
         self.params = ProcessParams.from_rows([r.request.sampling for r in rows], vocab_size)
-        fresh = [r for r in rows if r.request.id not in self._keys]
+        fresh = [r for r in rows if r.rng is None]  # each row carries its own PRNG key
         if fresh:
             import secrets
 
@@ -64,7 +61,7 @@ class RejectionSampler:
             seeds = [r.request.sampling.seed if r.request.sampling.seed is not None else secrets.randbits(62) for r in fresh]
             keys = row_keys(seeds)
             for i, r in enumerate(fresh):
-                self._keys[r.request.id] = keys[i]
+                r.rng = keys[i]
 
     def _round_keys(self, rows):
         """This round's key per row; each row's stored key advances."""
@@ -72,10 +69,10 @@ class RejectionSampler:
 
         from mtpflow.sampling import split_keys
 
-        keys = mx.stack([self._keys[r.request.id] for r in rows])
+        keys = mx.stack([r.rng for r in rows])
         use, keep = split_keys(keys, 2)
         for i, r in enumerate(rows):
-            self._keys[r.request.id] = keep[i]
+            r.rng = keep[i]
         return use
 
     def _sync(self, rows) -> None:
