@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(s)
 
+    b = sub.add_parser("bench", help="benchmark speculative decoding side by side with plain mlx-lm")
+    from .bench import add_bench_arguments
+
+    add_bench_arguments(b)
+
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model folder")
     try:
         from .convert.cli import add_arguments as add_convert_arguments
@@ -233,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             from .server import run_serve
 
             return run_serve(args)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
         if args.command == "convert":
             from .convert.cli import run as run_convert
 

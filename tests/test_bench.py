@@ -1,0 +1,111 @@
+"""``mtpflow bench`` on the fixture pair: structure and internal consistency of
+bench.json (no timing assertions -- CI machines are noisy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mtpflow.bench import BenchError, RoundCollector, add_bench_arguments, load_prompt_texts, run_bench, summarize
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "hf_gemma4" / "pair_e"
+
+
+def parse(*argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    return p.parse_args([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = parse(
+        "--target", FIX / "target", "--draft-model", FIX / "drafter", "--prompts", "tiny",
+        "--block-sizes", "1,3", "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0",
+        "--max-tokens", "6", "--out", out, "--no-progress",
+    )
+    assert run_bench(args) == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def test_variants_present(bench):
+    _, res = bench
+    names = {v["name"] for v in res["variants"]}
+    for b in (1, 2):
+        assert {f"mlx_lm b{b}", f"mtpflow-null b{b}", f"mtpflow-k1 b{b}", f"mtpflow-k3 b{b}"} <= names
+    assert res["baselines"] == {"1": "mlx_lm b1", "2": "mlx_lm b2"}
+    assert not [v for v in res["variants"] if "failed" in v]
+    assert res["meta"]["draft_kind"] == "mtp"
+    assert res["meta"]["num_prompts"] == 4 and res["meta"]["ignore_eos"] is True
+
+
+def test_figures_consistent(bench):
+    _, res = bench
+    by = {v["name"]: v for v in res["variants"]}
+    n_prompts = res["meta"]["num_prompts"]
+    for v in res["variants"]:
+        assert v["tokens"] == n_prompts * 6, v["name"]  # EOS ignored: every variant emits max_tokens
+        tps = v["tokens_per_s"]
+        assert tps["n"] == 1 and tps["median"] > 0 and tps["min"] <= tps["median"] <= tps["max"]
+        for r in v["repeats"]:
+            assert math.isclose(r["tokens_per_s"], r["tokens"] / r["wall_s"], rel_tol=1e-4)
+        base = by[res["baselines"][str(v["batch_size"])]]
+        assert v["baseline"] == base["name"]
+        assert math.isclose(v["ratio"], tps["median"] / base["tokens_per_s"]["median"], rel_tol=1e-9)
+        assert v["tau"] >= 1.0
+        assert v["peak_memory_bytes"] > 0 and v["peak_memory_source"]
+        for a in v["acceptance_per_position"] + v["acceptance_conditional"]:
+            assert 0.0 <= a <= 1.0
+        if v["kind"] in ("target_only", "null") or v["block_size"] == 1:
+            assert v["tau"] == 1.0 and v["acceptance_per_position"] == []
+    for b in (1, 2):
+        assert by[f"mlx_lm b{b}"]["ratio"] == 1.0
+        k3 = by[f"mtpflow-k3 b{b}"]
+        assert 1.0 <= k3["tau"] <= 3.0
+        assert len(k3["acceptance_per_position"]) == 2
+        # accepted counts cannot rise with the position (a draft needs its predecessor)
+        counts = k3["accepted_counts_per_position"]
+        assert counts[1] <= counts[0] <= k3["drafted_per_position"][0]
+        assert k3["drafted_per_position"][1] <= k3["drafted_per_position"][0]
+        assert 0.0 <= k3["acceptance_rate"] <= 1.0
+        split = k3["time_split"]
+        assert all(split[k] >= 0 for k in ("draft_s", "verify_s", "host_s", "other_s"))
+        assert math.isclose(sum(split["fractions"].values()), 1.0, rel_tol=1e-6)
+        assert k3["syncs_per_round"] == 1.0
+        # tau = 1 + accepted drafts per row-round
+        st = k3["stats_last_repeat"]
+        assert math.isclose(k3["tau"], st["tau"], abs_tol=1e-3)
+
+
+def test_plots_written(bench):
+    out, res = bench
+    assert set(res["plots"]) == {"tokens_per_s.png", "acceptance_per_position.png"}
+    for name in res["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompt_sets_and_errors(tmp_path):
+    texts, chat = load_prompt_texts("tiny")
+    assert len(texts) == 4 and not chat
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a b"}\n{"turns": ["c d", "e"]}\n')
+    texts, chat = load_prompt_texts(str(f))
+    assert texts == ["a b", "c d"] and chat
+    with pytest.raises(BenchError, match="no such file"):
+        load_prompt_texts(str(tmp_path / "missing.txt"))
+    with pytest.raises(SystemExit):
+        parse("--block-sizes", "0,2")
+
+
+def test_collector_and_summary():
+    c = RoundCollector()
+    c.add(3, [0, 3, 1])
+    assert c.per_position() == [2 / 3, 1 / 3, 1 / 3]
+    assert c.conditional() == [2 / 3, 1 / 2, 1.0]
+    s = summarize([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
