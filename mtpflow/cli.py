@@ -105,9 +105,12 @@ def _trace_logger(path: str):
 
 
 def _quiet_logger():
+    """A logger whose info() is a no-op (no rendering cost per round)."""
+    import logging
+
     import structlog
 
-    return structlog.wrap_logger(structlog.ReturnLogger())
+    return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def _encode(session, text: str, chat: bool) -> list[int]:

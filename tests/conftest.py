@@ -22,9 +22,9 @@ def fixtures_dir() -> Path:
 
 def quiet_log():
     """A structlog logger that prints nothing (round events of big batches are long)."""
-    import structlog
+    from mtpflow.cli import _quiet_logger
 
-    return structlog.wrap_logger(structlog.ReturnLogger())
+    return _quiet_logger()
 
 
 def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True, plugins=None, log=None, **overrides):

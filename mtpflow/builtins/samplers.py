@@ -96,21 +96,21 @@ class RejectionSampler:
 
         rows = self.rows if state is None else state.rows
         self._sync(rows)
-        keys = self._round_keys(rows)
         if self.params.all_greedy and self._context(rows) is None:
-            return mx.argmax(logits, axis=-1).astype(mx.int32)
-        return sample(process_logits(logits, self.params, self._context(rows)), keys)
+            return mx.argmax(logits, axis=-1).astype(mx.int32)  # no randomness needed
+        return sample(process_logits(logits, self.params, self._context(rows)), self._round_keys(rows))
 
     def accept(self, logits, draft, state):
         from mtpflow.sampling import greedy_accept, process_logits, rejection_accept
         from mtpflow.state import AcceptResult
 
         self._sync(state.rows)
-        keys = self._round_keys(state.rows)
         if self.params.all_greedy and self._context(state.rows) is None:
-            counts, tokens = greedy_accept(logits, draft.tokens, draft.active)  # no vocab-sized one-hots
+            # greedy rows need no randomness and no vocab-sized one-hots
+            counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
         else:
             lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
+            keys = self._round_keys(state.rows)
             counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, keys, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 

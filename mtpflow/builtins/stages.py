@@ -115,8 +115,9 @@ def mtpflow_advance(session, state, draft, verify, accepted):
     keep = mx.array(keep_host, dtype=mx.int32)
     next_pos = state.positions + keep
     trim = k - max(counts)
+    ragged = min(counts) != max(counts)
     for c in state.cache:
-        c.rollback(k + 1, keep, next_pos, trim)
+        c.rollback(k + 1, keep, next_pos, trim, ragged)
     state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
     state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
     state.positions = next_pos

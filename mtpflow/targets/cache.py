@@ -77,9 +77,11 @@ class SlotKVCache:
         mask = (kve >= 0) & (kve <= qe)
         if window is not None:
             mask = mask & (kve > qe - window)
-        # every query may see its own slot, so a padded query never has an empty row (NaN)
-        own = mx.arange(self.idx, self.idx + N)[:, None] == mx.arange(self.idx + N)[None, :]
-        mask = mask | own[None]
+        if N > 1:
+            # every query may see its own slot, so a left-padded query (prefill)
+            # never has an empty row (NaN); decoding rows always see themselves
+            own = mx.arange(self.idx, self.idx + N)[:, None] == mx.arange(self.idx + N)[None, :]
+            mask = mask | own[None]
         return mask[:, None]
 
     def is_trimmable(self) -> bool:
@@ -109,12 +111,14 @@ class SlotKVCache:
         """``(keys, values, positions)`` of the used slots, in slot order."""
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :], self.positions[:, : self.idx]
 
-    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int) -> None:
+    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True) -> None:
         """After a verify over ``block`` slots, keep the first ``keep[b]`` of them
         in row ``b``, invalidate the rest, set each row's next position and
-        physically drop ``trim`` trailing slots (rejected by every row)."""
+        physically drop ``trim`` trailing slots (rejected by every row).
+        ``ragged=False`` says every row keeps the same number of slots: then
+        the trim alone removes every rejected slot."""
         start = self.idx - block
-        if block > 0:
+        if block > 0 and ragged:
             rel = mx.arange(block, dtype=mx.int32)[None]
             tail = self.positions[:, start : self.idx]
             self.positions[:, start : self.idx] = mx.where(rel < keep[:, None], tail, -1)
