@@ -132,7 +132,7 @@ def ensure_fast_blas() -> dict[str, Any]:
         whether MLX should now use it.  :func:`blas_info` verifies this after
         ``mlx.core`` is imported.
     """
-    global _STATE, _HANDLE
+    global _HANDLE
     if _STATE is not None and _STATE["status"] in ("loaded", "already_loaded", "ld_preload"):
         return dict(_STATE, status="already_loaded")
 

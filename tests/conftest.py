@@ -43,3 +43,29 @@ def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True
 @pytest.fixture(scope="session")
 def session_factory():
     return make_session
+
+
+class RoundLog:
+    """A test plugin that keeps every round record (an ``mtpflow_emit`` observer)."""
+
+    def __init__(self):
+        self.records = []
+
+    from mtpflow import hookimpl as _hookimpl
+
+    @_hookimpl
+    def mtpflow_emit(self, session, record, emitted):
+        self.records.append(record)
+
+
+_references: dict = {}
+
+
+def reference(session, ids, n):
+    """Target-only greedy continuation, cached per (target, prompt, length)."""
+    from mtpflow.engine import target_only_greedy
+
+    key = (str(session.target.path), tuple(ids), n)
+    if key not in _references:
+        _references[key] = target_only_greedy(session.target, ids, n, session.target.eos_ids)
+    return _references[key]

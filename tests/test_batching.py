@@ -3,10 +3,9 @@
 import json
 
 import pytest
-from conftest import FIXTURES, make_session
+from conftest import FIXTURES, RoundLog, make_session, reference
 
-from mtpflow import hookimpl
-from mtpflow.engine import Batcher, generate_stream, make_request, target_only_greedy
+from mtpflow.engine import Batcher, generate_stream, make_request
 from mtpflow.plugins import make_plugin_manager
 
 
@@ -17,29 +16,14 @@ def prompts(pair):
     return [base[0][:3], base[0], base[1], long_[:25], long_, long_ + base[1], base[1][::-1], long_[5:35]]
 
 
-class Rounds:
-    def __init__(self):
-        self.records = []
-
-    @hookimpl
-    def mtpflow_emit(self, session, record, emitted):
-        self.records.append(record)
-
-
-_refs = {}
-
-
 def ref(s, pair, p, n):
-    key = (pair, tuple(p), n)
-    if key not in _refs:
-        _refs[key] = target_only_greedy(s.target, p, n, s.target.eos_ids)
-    return _refs[key]
+    return reference(s, p, n)
 
 
 @pytest.mark.parametrize("pair", ["e", "d"])
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])
 def test_ragged_batch_equals_target_only_per_row(pair, batch):
-    rounds = Rounds()
+    rounds = RoundLog()
     s = make_session(pair, block_size=5, plugins=make_plugin_manager([rounds], autoload=False), batch={"max_batch_size": 8})
     ps = prompts(pair)[:batch]
     max_tokens = [30, 7, 45, 12, 33, 20, 26, 18][:batch]
@@ -59,7 +43,7 @@ def test_ragged_batch_equals_target_only_per_row(pair, batch):
 
 
 def test_continuous_batching_admits_between_rounds():
-    rounds = Rounds()
+    rounds = RoundLog()
     s = make_session("e", block_size=4, plugins=make_plugin_manager([rounds], autoload=False),
                      batch={"policy": "continuous", "max_batch_size": 3})
     ps = prompts("e")

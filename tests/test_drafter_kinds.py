@@ -4,12 +4,11 @@ import json
 import shutil
 
 import pytest
-from conftest import FIXTURES, make_session
+from conftest import FIXTURES, RoundLog, make_session, reference
 
-from mtpflow import hookimpl
 from mtpflow.drafters.draft_model import DraftModelDrafter, DraftModelError, check_tokenizers
 from mtpflow.drafters.ngram import NgramDrafter, _RowIndex
-from mtpflow.engine import Batcher, LoadError, generate_stream, make_request, target_only_greedy
+from mtpflow.engine import Batcher, LoadError, generate_stream, make_request
 from mtpflow.plugins import make_plugin_manager
 
 TARGET = FIXTURES / "pair_e" / "target"
@@ -31,22 +30,12 @@ PROMPTS = _prompts()
 MAX_TOKENS = [24, 17, 20]
 
 
-class Rounds:
-    def __init__(self):
-        self.records = []
-
-    @hookimpl
-    def mtpflow_emit(self, session, record, emitted):
-        self.records.append(record)
-
-
 _sessions = {}
-_refs = {}
 
 
 def session_for(name):
     if name not in _sessions:
-        rounds = Rounds()
+        rounds = RoundLog()
         s = make_session("e", block_size=4, with_drafter=False, model=KINDS[name],
                          plugins=make_plugin_manager([rounds], autoload=False), batch={"max_batch_size": 8})
         _sessions[name] = (s, rounds)
@@ -54,10 +43,7 @@ def session_for(name):
 
 
 def ref(s, prompt, n):
-    key = (tuple(prompt), n)
-    if key not in _refs:
-        _refs[key] = target_only_greedy(s.target, prompt, n, s.target.eos_ids)
-    return _refs[key]
+    return reference(s, prompt, n)
 
 
 def run(s, prompts, max_tokens, ids=None):
@@ -147,7 +133,7 @@ def test_draft_model_rows_join_between_rounds_and_ids_are_reused():
 def test_draft_model_with_adaptive_block_sizes():
     # the adaptive policy tries block size 1 (no drafting round) and varying sizes:
     # the drafter must resynchronise after rounds it did not draft in
-    rounds = Rounds()
+    rounds = RoundLog()
     s = make_session("e", block_size=3, with_drafter=False, model=KINDS["model-other"],
                      plugins=make_plugin_manager([rounds], autoload=False),
                      draft={"policy": "adaptive", "max_block_size": 5}, batch={"max_batch_size": 3})

@@ -5,7 +5,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from conftest import FIXTURES, make_session
+from conftest import FIXTURES, RoundLog, make_session, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,14 +24,7 @@ def sessions():
     return {pair: make_session(pair) for pair in "ed"}
 
 
-_refs = {}
-
-
-def reference(session, pair, ids, n):
-    key = (pair, tuple(ids), n)
-    if key not in _refs:
-        _refs[key] = target_only_greedy(session.target, ids, n, session.target.eos_ids)
-    return _refs[key]
+_refs = {}  # sessions reused across hypothesis examples
 
 
 def run(session, ids, max_tokens, block_size=None, stop_ids=None):
@@ -52,7 +45,7 @@ def test_every_block_size_matches_target_only(sessions, pair, block_size):
     for name in ("short", "long"):  # "long" is 40 tokens: past the 16-token sliding window
         ids = prompt(pair, name)
         out, last = run(s, ids, 40, block_size)
-        assert out == reference(s, pair, ids, 40)
+        assert out == reference(s, ids, 40)
         assert last.finish_reason == "length"
     if block_size > 1:
         assert s.stats.draft_tokens > 0
@@ -63,7 +56,7 @@ def test_long_generation_rolls_the_sliding_window_many_times(sessions):
     s = sessions["e"]
     ids = prompt("e", "long") * 3  # 120 tokens, 7x the window
     out, _ = run(s, ids, 120, 6)
-    assert out == reference(s, "e", ids, 120)
+    assert out == reference(s, ids, 120)
     sliding = [c for c in s.target.make_cache() if c.window is not None]
     assert sliding  # the check above went through sliding layers
 
@@ -73,24 +66,15 @@ def test_max_tokens_ending_mid_block(sessions, max_tokens):
     s = sessions["e"]
     ids = prompt("e", "long")
     out, last = run(s, ids, max_tokens, 5)
-    assert out == reference(s, "e", ids, 40)[:max_tokens]
+    assert out == reference(s, ids, 40)[:max_tokens]
     assert last.finish_reason == "length" and last.finished
-
-
-class RoundLog:
-    def __init__(self):
-        self.records = []
-
-    @hookimpl
-    def mtpflow_emit(self, session, record, emitted):
-        self.records.append(record)
 
 
 def test_eos_inside_a_block_is_cut_there():
     log = RoundLog()
     s = make_session("e", block_size=5, plugins=make_plugin_manager([log]))
     ids = prompt("e", "long")
-    ref = reference(s, "e", ids, 40)
+    ref = reference(s, ids, 40)
     # a stop token the drafter gets right in the middle of an accepted block
     stop = ref[6]
     out, last = run(s, ids, 40, stop_ids={stop})
@@ -110,7 +94,7 @@ def test_echo_drafter_plugin_partial_full_and_rollback():
     for name in ("short", "edge"):
         ids = prompt("d", name)
         out, _ = run(s, ids, 40)
-        assert out == reference(s, "d", ids, 40)
+        assert out == reference(s, ids, 40)
     accepted = {r.accepted[0] for r in log.records if r.drafted == 3}
     assert 0 in accepted and 3 in accepted and accepted & {1, 2}
 
@@ -160,7 +144,7 @@ def test_any_proposals_leave_greedy_output_unchanged(seed, wrong, block):
     assert s.draft_kind == "scripted"
     s.block_policy.size = block
     ids = prompt("e", "edge")
-    ref = reference(s, "e", ids, 30)
+    ref = reference(s, ids, 30)
     ScriptedDrafter.truth, ScriptedDrafter.seed, ScriptedDrafter.wrong_rate = ref, seed, wrong
     s.drafter = ScriptedDrafter.load(None, s.target, None)
     out, _ = run(s, ids, 30)

@@ -1,0 +1,122 @@
+"""Drafter training on the tiny pair_e target: the objective, loss goes down,
+exact resume, frozen target, trained beats untrained on tau."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES
+from mlx.utils import tree_flatten
+
+from mtpflow.drafters.gemma4_assistant.masks import drafter_mask
+from mtpflow.train.data import Example, batches, iter_json_objects, to_messages
+from mtpflow.train.loop import _load_target, step_weights, train, train_masks
+
+PAIR_E = FIXTURES / "pair_e" / "target"
+FAST = dict(batch_size=4, unroll=3, warmup=2, lr=3e-3, progress=False, checkpoint_every=4)
+DRAFTER = {"num_hidden_layers": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _load_target(PAIR_E)
+
+
+@pytest.fixture(scope="module")
+def examples(target):
+    from mtpflow.train.data import self_distill
+
+    return self_distill(target, 24, length=24, prompt_len=6, seed=1, batch=24)
+
+
+@pytest.fixture(scope="module")
+def trained(target, examples, tmp_path_factory):
+    before = {k: np.array(v) for k, v in tree_flatten(target.model.parameters())}
+    out = tmp_path_factory.mktemp("trained")
+    summary = train(target, DRAFTER, "selfgen", out, examples=examples, steps=30, **FAST)
+    after = {k: np.array(v) for k, v in tree_flatten(target.model.parameters())}
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return out, summary, log, before, after
+
+
+def test_train_masks_are_drafter_mask_per_query(target):
+    pos = mx.array([[0, 1, 2, 3, 4, 5, -1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]], mx.int32)
+    T = pos.shape[1]
+    for window in (None, 4):
+        m = train_masks({"sliding_attention": (pos, None)}, T, window)["sliding_attention"]
+        for t in range(T):
+            ref = drafter_mask(pos, mx.array([t + 1], mx.int32), window)[0, 0, 0]
+            assert (np.array(m[0, 0, t]) == np.array(ref)).all()
+
+
+def test_step_weights():
+    g = step_weights("geometric", 3, 0.8)
+    assert np.allclose(g, np.array([1, 0.8, 0.64]) / 2.44)
+    p = step_weights("position", 3, acc=[0.5, 0.5, 0.5])
+    # dE[tau]/da_i with a = 0.5: (1 + .5 + .25), .5 * (1 + .5), .25
+    assert np.allclose(p, np.array([1.75, 0.75, 0.25]) / 2.75)
+
+
+def test_loss_goes_down_and_target_is_frozen(trained):
+    out, summary, log, before, after = trained
+    first = np.mean([r["loss"] for r in log[:3]])
+    last = np.mean([r["loss"] for r in log[-3:]])
+    assert last < 0.8 * first, (first, last)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert np.array_equal(before[k], after[k]), k  # bit-identical
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mtpflow_assistant"
+
+
+def test_resume_matches_uninterrupted(target, examples, tmp_path):
+    kw = dict(FAST, steps=8, step_weights="position")
+    train(target, DRAFTER, "selfgen", tmp_path / "a", examples=examples, **kw)
+    train(target, DRAFTER, "selfgen", tmp_path / "b", examples=examples, stop_at=4, **kw)
+    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 4
+    train(target, DRAFTER, "selfgen", tmp_path / "b", examples=examples, **kw)  # resumes at step 4
+    la = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lb] == list(range(1, 9))
+    for ra, rb in zip(la, lb):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-6, (ra, rb)
+    wa = mx.load(str(tmp_path / "a" / "model.safetensors"))
+    wb = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    for k in wa:
+        assert np.allclose(np.array(wa[k]), np.array(wb[k]), atol=1e-6, rtol=0), k
+
+
+def test_trained_drafter_beats_untrained_on_tau(trained, target, examples, tmp_path):
+    from mtpflow.train.eval import evaluate, write_report
+
+    out, *_ = trained
+    untrained = tmp_path / "untrained"
+    train(target, DRAFTER, "selfgen", untrained, examples=examples, steps=0, **FAST)
+    prompts = [e.tokens[:6].tolist() for e in examples[:4]]
+    r0 = evaluate(PAIR_E, untrained, prompts, block_size=4, max_tokens=20)
+    r1 = evaluate(PAIR_E, out, prompts, block_size=4, max_tokens=20)
+    assert r1["tau"] > r0["tau"], (r0, r1)
+    assert r1["draft_kind"] == "assistant" and len(r1["acceptance_per_position"]) == 3
+    files = write_report(r1, tmp_path / "report")
+    assert json.loads((tmp_path / "report" / "eval.json").read_text())["tau"] == r1["tau"]
+    assert "png" not in files or (tmp_path / "report" / "acceptance.png").stat().st_size > 0
+
+
+def test_data_truncated_json_and_chat_loss_mask(tmp_path):
+    objs = [{"id": i, "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
+    text = json.dumps(objs)
+    (tmp_path / "cut.json").write_text(text[: text.rindex('{"id": 2') + 20])  # cut inside the third object
+    got = list(iter_json_objects(tmp_path / "cut.json"))
+    assert [o["id"] for o in got] == [0, 1]
+    assert to_messages(got[0]) == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}]
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    ex = [Example(np.arange(n, dtype=np.int32), np.ones(n, bool)) for n in range(5, 25)]
+    a = batches(ex, 4, 0, 7)
+    b = batches(ex, 4, 0, 7)
+    assert all((x == y).all() for x, y in zip(a, b))
+    toks, loss, lens = a
+    for r in range(4):
+        assert not loss[r, lens[r]:].any()  # padding never carries loss
