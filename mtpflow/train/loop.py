@@ -1,0 +1,443 @@
+"""Training loop for the generic assistant drafter against a frozen target.
+
+Objective (the drafter exactly as it runs at inference, all positions in parallel)
+-------------------------------------------------------------------------------
+For a sequence ``x_0..x_{T-1}`` the frozen target gives post-norm hidden
+states ``H_t``, logits ``L_t`` (the distribution of ``x_{t+1}``) and its
+store-layer K/V.  At every position ``t`` (the row's "bonus" position is
+``p = t + 1``) the drafter runs ``S`` unrolled steps ``i = 0..S-1``:
+
+* input ``concat(target_embed(x_{t+1+i}), h_i)`` with ``h_0 = H_t`` and
+  ``h_{i+1} = post_projection(final_i)`` -- the drafter's own state fed back;
+  tokens are teacher-forced (the data token ``x_{t+1+i}``, as EAGLE-3 / HF
+  MTP training do), which is consistent with the label because the target
+  distribution at ``t+1+i`` is conditioned on those same data tokens;
+* its query sits at the constant RoPE position ``t + 1`` for every step and
+  attends to the target K/V of positions ``<= t`` (sliding layers: also
+  ``>= t - window``, :func:`mtpflow.drafters.gemma4_assistant.masks.drafter_mask`);
+* it predicts ``x_{t+2+i}``; the label is the target's own distribution
+  ``softmax(L_{t+1+i})`` (``targets="soft"``, loss = KL(target || drafter))
+  or its argmax (``targets="hard"``, cross-entropy).
+
+A term counts when the predicted token is inside the example and flagged as a
+loss token (assistant turns).  Step weights: ``"geometric"``
+``w_i = decay**i``, or ``"position"`` (D-PACE-like): with the running greedy
+acceptance ``a_j`` of step ``j`` (EMA of the per-step accuracy),
+``E[tau] = 1 + sum_k prod_{j<=k} a_j`` and ``w_i = dE[tau]/da_i =
+prod_{j<i} a_j * (1 + sum_{k>i} prod_{i<m<=k} a_m)`` -- a step is weighted by
+how much its acceptance adds to the expected acceptance length.  Weights are
+normalised to sum to 1.
+
+The target never receives gradients: its forward runs outside the
+differentiated function and its outputs pass through ``mx.stop_gradient``;
+only the drafter's parameters are handed to ``value_and_grad``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..drafters.gemma4_assistant.masks import drafter_mask
+from ..drafters.mtpflow_assistant.config import make_config, check_compatible
+from ..drafters.mtpflow_assistant.drafter import save_drafter
+from ..drafters.mtpflow_assistant.model import GenericAssistantModel
+from ..targets.base import SLIDING
+from . import data as data_mod
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    max_len: int = 512
+    lr: float = 5e-4
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    unroll: int = 3
+    step_weights: str = "geometric"  # or "position"
+    decay: float = 0.8
+    targets: str = "soft"  # or "hard"
+    seed: int = 0
+    checkpoint_every: int = 100
+    log_every: int = 10
+    max_time_s: float | None = None
+    #: stop (checkpointed) after this step without changing the schedule; resume later
+    stop_at: int | None = None
+    save_dtype: str | None = None
+    progress: bool = True
+    ema: float = 0.9
+
+    def __post_init__(self):
+        if self.step_weights not in ("geometric", "position"):
+            raise ValueError(f"step_weights must be 'geometric' or 'position' (got {self.step_weights!r})")
+        if self.targets not in ("soft", "hard"):
+            raise ValueError(f"targets must be 'soft' or 'hard' (got {self.targets!r})")
+        if self.unroll < 1:
+            raise ValueError("unroll must be >= 1")
+
+
+# ------------------------------------------------------------------------------ objective
+def step_weights(kind: str, n: int, decay: float = 0.8, acc: list[float] | None = None) -> np.ndarray:
+    """Normalised per-step loss weights (see the module docstring)."""
+    if kind == "geometric":
+        w = decay ** np.arange(n, dtype=np.float64)
+    else:
+        a = np.clip(np.asarray(acc if acc is not None else [0.5] * n, np.float64), 0.05, 0.99)
+        w = np.zeros(n)
+        for i in range(n):
+            before = np.prod(a[:i])
+            tail, run = 1.0, 1.0
+            for k in range(i + 1, n):
+                run *= a[k]
+                tail += run
+            w[i] = before * tail
+    return (w / w.sum()).astype(np.float32)
+
+
+def _shift(a: mx.array, k: int) -> mx.array:
+    """``out[:, t] = a[:, t + k]`` (zero past the end)."""
+    if k == 0:
+        return a
+    T = a.shape[1]
+    if k >= T:
+        return mx.zeros_like(a)
+    pad = mx.zeros((a.shape[0], k, *a.shape[2:]), a.dtype)
+    return mx.concatenate([a[:, k:], pad], axis=1)
+
+
+def train_masks(kv: dict, T: int, window: int | None) -> dict:
+    """Per layer type, the ``[B, 1, T, S]`` visibility of training queries:
+    query ``t`` (bonus position ``t + 1``) sees what one inference step with
+    ``bonus_position = t + 1`` sees -- the rule of :func:`drafter_mask`, here
+    broadcast over all queries of the sequence."""
+    out = {}
+    for t, (pos, _k) in kv.items():
+        B, S = pos.shape
+        bonus = mx.broadcast_to(mx.arange(1, T + 1, dtype=mx.int32)[None, :, None], (B, T, 1))
+        m = drafter_mask(pos[:, None, None, :], bonus, window if t == SLIDING else None)  # [B,1,1,1,T,S]
+        out[t] = m.reshape(B, 1, T, S)
+    return out
+
+
+def target_pass(target, tokens: mx.array, model: GenericAssistantModel | None = None) -> dict:
+    """Frozen target forward over ``tokens`` ``[B, T]`` (gradient-free).
+
+    ``label_logits``: the target's logits over the drafter's output space (the
+    full vocabulary, or the draft vocabulary); ``argmax``: the target's
+    full-vocabulary greedy next token at every position."""
+    B, T = tokens.shape
+    cache = target.make_cache()
+    target.set_offsets(cache, mx.zeros((B,), mx.int32))
+    H = target.forward(tokens, cache)
+    shared = target.shared_kv(cache)
+    full = target.logits(H)
+    sg = mx.stop_gradient
+    out = {
+        "hidden": sg(H), "embed": sg(target.embed(tokens)), "argmax": sg(mx.argmax(full, axis=-1)),
+        "kv": {t: (sg(v.keys), sg(v.values)) for t, v in shared.items()},
+        "positions": {t: v.positions for t, v in shared.items()},
+    }
+    if model is not None and model.has_draft_vocab:
+        out["label_logits"] = sg(model.head_logits(H))  # the target head, restricted to the draft vocabulary
+        inv = mx.full((target.vocab_size,), -1, mx.int32)
+        inv[model.draft_vocab] = mx.arange(model.draft_vocab.shape[0], dtype=mx.int32)
+        out["inv"] = inv
+    else:
+        out["label_logits"] = sg(full)
+    return out
+
+
+def choose_draft_vocab(examples, vocab_size: int, k: int, always=()) -> np.ndarray:
+    """The ``k`` most frequent loss tokens of the training data (EAGLE-3's
+    reduced draft vocabulary), plus ``always`` (EOS ids); sorted ids."""
+    counts = np.zeros(vocab_size, np.int64)
+    for e in examples:
+        counts += np.bincount(e.tokens[e.loss], minlength=vocab_size)[:vocab_size]
+    for t in always:
+        counts[t] = counts.max() + 1
+    top = np.argsort(-counts, kind="stable")[:k]
+    return np.sort(top).astype(np.int32)
+
+
+def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, weights, unroll: int, targets: str):
+    """Weighted loss over ``unroll`` steps; returns ``(loss, per_step_loss
+    [S], per_step_correct [S], per_step_count [S])``."""
+    B, T = tokens.shape
+    types = set(model.layer_types)
+    kv = {t: tp["kv"][t] for t in types}
+    masks = train_masks({t: (tp["positions"][t], None) for t in types}, T, model.sliding_window)
+    tpos = mx.arange(T, dtype=mx.int32)[None]
+    tgt_logp = tp["label_logits"] - mx.logsumexp(tp["label_logits"], axis=-1, keepdims=True)
+    sub = model.draft_vocab if model.has_draft_vocab else None
+    h = tp["hidden"]
+    total = mx.array(0.0)
+    losses, correct, counts = [], [], []
+    for i in range(unroll):
+        emb_in = _shift(tp["embed"], 1 + i)
+        z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, 1)
+        logits = model.head_logits(z).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lab_logp = _shift(tgt_logp, 1 + i)  # target distribution of x_{t+2+i}
+        valid = (tpos + 2 + i < lengths[:, None]) & _shift(loss_mask, 2 + i)
+        vf = valid.astype(mx.float32)
+        tgt_tok = _shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
+        if targets == "soft":
+            p = mx.exp(lab_logp)
+            per = (p * (lab_logp - logp)).sum(-1)  # KL(target || drafter) over the head's vocabulary
+        else:
+            lab = tgt_tok if sub is None else tp["inv"][tgt_tok]
+            if sub is not None:
+                valid = valid & (lab >= 0)
+                vf = valid.astype(mx.float32)
+                lab = mx.maximum(lab, 0)
+            per = -mx.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
+        n = vf.sum()
+        li = (per * vf).sum() / mx.maximum(n, 1.0)
+        total = total + weights[i] * li
+        pred = mx.argmax(logp, axis=-1)
+        if sub is not None:
+            pred = sub[pred]
+        hit = (pred == tgt_tok).astype(mx.float32)
+        losses.append(li)
+        correct.append(mx.stop_gradient((hit * vf).sum()))
+        counts.append(n)
+    return total, mx.stack(losses), mx.stack(correct), mx.stack(counts)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _schedule(cfg: TrainConfig):
+    decay_steps = max(1, cfg.steps - cfg.warmup)
+    cos = optim.cosine_decay(cfg.lr, decay_steps, cfg.lr * cfg.min_lr_ratio)
+    if cfg.warmup <= 0:
+        return cos
+    warm = optim.linear_schedule(cfg.lr / max(1, cfg.warmup), cfg.lr, cfg.warmup)
+    return optim.join_schedules([warm, cos], [cfg.warmup])
+
+
+def _load_target(target):
+    if not isinstance(target, (str, Path)):
+        return target
+    from ..engine import resolve_model
+    from ..plugins import get_plugins
+    from ..targets.base import read_config
+
+    path = resolve_model(str(target))
+    cfg = read_config(path)
+    cls = get_plugins().targets.get(cfg.get("model_type"))
+    return cls.from_path(path, cfg, dtype="float32")
+
+
+def _load_tokenizer(target):
+    p = Path(target.path)
+    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer.model").is_file()):
+        return None
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    return load_tok(p)
+
+
+def resolve_drafter_config(target, drafter_config) -> dict:
+    """``drafter_config``: ``None`` (defaults), a path to a JSON file, a full
+    config dict (``model_type`` set) or a dict of :func:`make_config` options."""
+    if drafter_config is None:
+        drafter_config = {}
+    if isinstance(drafter_config, (str, Path)):
+        drafter_config = json.loads(Path(drafter_config).read_text())
+    if drafter_config.get("model_type"):
+        return check_compatible(target.config, dict(drafter_config))
+    return make_config(target.config, **drafter_config)
+
+
+class _Progress:
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+        self.total, self.t0, self.start = total, time.time(), initial
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, file=sys.stderr, dynamic_ncols=True, desc="train")
+            except ImportError:
+                self.bar = None
+
+    def update(self, step: int, info: str):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(info, refresh=False)
+            self.bar.refresh()
+        else:
+            el = time.time() - self.t0
+            done = step - self.start
+            eta = el / done * (self.total - step) if done else float("nan")
+            print(f"step {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def save_checkpoint(ckpt: Path, model, opt, state: dict) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt / "tmp"
+    tmp.mkdir(exist_ok=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    (tmp / "state.json").write_text(json.dumps(state))
+    for f in ("model.safetensors", "optimizer.safetensors", "state.json"):
+        (tmp / f).replace(ckpt / f)
+    tmp.rmdir()
+
+
+def load_checkpoint(ckpt: Path, model, opt) -> dict | None:
+    if not (ckpt / "state.json").is_file():
+        return None
+    model.load_weights(list(mx.load(str(ckpt / "model.safetensors")).items()), strict=True)
+    opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+    return json.loads((ckpt / "state.json").read_text())
+
+
+# ------------------------------------------------------------------------------ train
+def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None = None, examples=None, **overrides) -> dict:
+    """Train a generic assistant drafter for ``target`` (path, repo id or a
+    loaded adapter) and write a loadable drafter folder to ``out_dir``.
+
+    Resumes from ``out_dir/checkpoint`` when present.  ``overrides`` are
+    :class:`TrainConfig` fields.  Returns a summary dict (also written to
+    ``out_dir/train_summary.json``)."""
+    cfg = config or TrainConfig()
+    if overrides:
+        cfg = TrainConfig(**{**asdict(cfg), **overrides})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = _load_target(target)
+    dcfg = resolve_drafter_config(target, drafter_config)
+
+    mx.random.seed(cfg.seed)
+    model = GenericAssistantModel(dcfg, target)
+    mx.eval(model.parameters())
+    if examples is None:
+        tok = _load_tokenizer(target)
+        examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
+    if model.has_draft_vocab:
+        K = model.draft_vocab.shape[0]
+        model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids)))
+    n_tokens_ex = [int(e.loss.sum()) for e in examples]
+
+    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    ckpt = out / "checkpoint"
+    state = load_checkpoint(ckpt, model, opt)
+    step = 0
+    acc_ema = [0.5] * cfg.unroll
+    tokens_seen = 0
+    elapsed_prev = 0.0
+    if state is not None:
+        step, acc_ema = state["step"], state["acc_ema"]
+        tokens_seen, elapsed_prev = state["tokens_seen"], state.get("elapsed_s", 0.0)
+        if state.get("drafter_config") != dcfg:
+            raise ValueError(f"{ckpt}: the checkpoint was written for another drafter config; use a new --out")
+
+    def loss_fn(m, tp, toks, lmask, lens, w):
+        return drafter_loss(m, tp, toks, lmask, lens, w, cfg.unroll, cfg.targets)
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    log_f = open(out / "train_log.jsonl", "a")
+    bar = _Progress(cfg.steps, step, cfg.progress)
+    t0 = time.time()
+    last = {}
+    try:
+        while step < cfg.steps:
+            if cfg.max_time_s is not None and time.time() - t0 >= cfg.max_time_s:
+                break
+            if cfg.stop_at is not None and step >= cfg.stop_at:
+                break
+            toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+            toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
+            tp = target_pass(target, toks, model)
+            w = mx.array(step_weights(cfg.step_weights, cfg.unroll, cfg.decay, acc_ema))
+            (loss, per, cor, cnt), grads = grad_fn(model, tp, toks, lmask, lens, w)
+            grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
+            opt.update(model, grads)
+            mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm)
+            step += 1
+            cnt_np, cor_np = np.array(cnt), np.array(cor)
+            acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
+            acc_ema = [cfg.ema * a + (1 - cfg.ema) * b if n > 0 else a for a, b, n in zip(acc_ema, acc, cnt_np)]
+            tokens_seen += int(lens_np.sum())
+            last = {"step": step, "loss": float(loss.item()), "step_loss": [round(float(x), 5) for x in np.array(per)],
+                    "acc": [round(a, 4) for a in acc], "grad_norm": float(gnorm.item()),
+                    "lr": float(opt.learning_rate.item()), "tokens_seen": tokens_seen,
+                    "elapsed_s": round(elapsed_prev + time.time() - t0, 2)}
+            log_f.write(json.dumps(last) + "\n")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                log_f.flush()
+            bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema))
+            if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
+                save_checkpoint(ckpt, model, opt, {
+                    "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
+                    "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": dcfg,
+                    "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
+                })
+    finally:
+        bar.close()
+        log_f.close()
+    save_drafter(model, out, dtype=cfg.save_dtype)
+    summary = {
+        "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed_prev + time.time() - t0, 1),
+        "examples": len(examples), "loss_tokens_per_epoch": int(sum(n_tokens_ex)),
+        "final": last, "acc_ema": acc_ema, "train_config": asdict(cfg), "data": data_spec,
+    }
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_train_arguments(p) -> None:
+    """``mtpflow train --target T --drafter-config C --data SPEC --out DIR``."""
+    p.add_argument("--target", required=True, help="target model folder or Hugging Face repo id")
+    p.add_argument("--drafter-config", help="drafter config: a JSON file (full config, or make_config options such as "
+                   '{"num_hidden_layers": 2, "draft_vocab_size": 8192}) or inline JSON; default: 2 layers at the target width')
+    p.add_argument("--data", required=True, help="data spec: sharegpt[:N], FILE.jsonl[:N], FILE.json, FILE.txt, DIR, selfgen:N[:L]; comma-separated")
+    p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint)")
+    d = TrainConfig()
+    for name in ("steps", "batch_size", "max_len", "unroll", "checkpoint_every", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("lr", "weight_decay", "grad_clip", "decay", "min_lr_ratio"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights)
+    p.add_argument("--targets", choices=["soft", "hard"], default=d.targets)
+    p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (checkpointed; rerun to resume)")
+    p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_train(args) -> int:
+    dc = args.drafter_config
+    if dc is not None and dc.lstrip().startswith("{"):
+        dc = json.loads(dc)
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr, warmup=args.warmup,
+        min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip, unroll=args.unroll,
+        step_weights=args.step_weights, decay=args.decay, targets=args.targets, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
+        progress=not args.no_progress,
+    )
+    summary = train(args.target, dc, args.data, args.out, config=cfg)
+    print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
+    return 0
