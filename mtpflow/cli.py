@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(b)
 
+    t = sub.add_parser("train", help="train a KV-sharing assistant drafter against a frozen target")
+    from .train.loop import add_train_arguments
+
+    add_train_arguments(t)
+
+    e = sub.add_parser("eval", help="measure a drafter's tau and acceptance per position")
+    from .train.eval import add_eval_arguments
+
+    add_eval_arguments(e)
+
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model folder")
     try:
         from .convert.cli import add_arguments as add_convert_arguments
@@ -245,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench
 
             return run_bench(args)
+        if args.command == "train":
+            from .train.loop import run_train
+
+            return run_train(args)
+        if args.command == "eval":
+            from .train.eval import run_eval
+
+            return run_eval(args)
         if args.command == "convert":
             from .convert.cli import run as run_convert
 
