@@ -86,8 +86,11 @@ class SamplingConfig:
     min_p: float = field(default=0.0, validator=[_in_range(0.0, 1.0)])
     repetition_penalty: float = field(default=1.0, validator=[_in_range(0.0, 100.0, lo_open=True)])
     seed: int | None = None
-    #: acceptance sampler plugin; "auto" = greedy at temperature 0, else rejection
+    #: acceptance sampler plugin; "auto" = the rejection sampler (exact argmax
+    #: matching for greedy rows, lossless rejection sampling for the others)
     sampler: str = "auto"
+    #: logits-processor plugins applied, in order, before the built-in processing
+    processors: list[str] = field(factory=list)
 
 
 @frozen(kw_only=True)

@@ -221,7 +221,9 @@ def load_session(
         drafter=drafter,
         draft_kind=kind,
         tokenizer=tokenizer,
-        sampler=plugins.samplers.get(sampler_name)(config),
+        sampler=plugins.samplers.get(sampler_name)(
+            config, [plugins.logits_processors.get(n)(config) for n in sc.processors]
+        ),
         block_policy=plugins.block_policies.get(config.draft.policy)(config),
         batch_policy=plugins.batch_policies.get(config.batch.policy)(config),
         log=log if log is not None else structlog.get_logger("mtpflow"),

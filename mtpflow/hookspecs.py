@@ -198,9 +198,28 @@ def mtpflow_register_lm_heads(register):
 def mtpflow_register_samplers(register):
     """Register acceptance samplers.
 
-    :param register: ``register(name, factory)``; ``factory(config)`` returns an
-        object with ``accept(target_logits, draft, key)`` and
-        ``sample(logits, key)``.
+    :param register: ``register(name, factory)``; ``factory(config,
+        processors)`` (``processors``: the configured logits-processor
+        callables, to apply first) returns an object with ``prepare(rows,
+        vocab_size)``, ``first(logits, state)`` (the prefill token) and
+        ``accept(target_logits, draft, state)`` (an
+        :class:`mtpflow.state.AcceptResult`).
+    :return: ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def mtpflow_register_logits_processors(register):
+    """Register logits processors (``[sampling] processors = [...]`` in a config).
+
+    :param register: ``register(name, factory)``; ``factory(config)`` returns a
+        callable ``processor(logits, rows) -> logits`` on ``[B, L, V]`` target
+        logits (``rows``: the batch's :class:`mtpflow.state.RowState` list).
+        Configured processors run, in order, before the built-in temperature /
+        top-k / top-p / min-p / penalty processing, identically on the
+        speculative and the target-only path.  They must not synchronise.
     :return: ignored.
 
     .. versionadded:: 0.1

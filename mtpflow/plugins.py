@@ -46,6 +46,7 @@ class PluginError(Exception):
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "lm_heads": ("from_config",),
     "samplers": ("__call__",),
+    "logits_processors": ("__call__",),
     "drafters": ("model_types", "needs", "load"),
     "batch_policies": ("__call__",),
     "block_policies": ("__call__",),

@@ -9,31 +9,44 @@ min-p / penalties -- see :mod:`mtpflow.sampling`.
 from mtpflow import hookimpl
 
 
-class GreedySampler:
+class _Processors:
+    """Applies the configured logits-processor plugins (resolved once)."""
+
+    def __init__(self, config=None, processors=()):
+        self.config = config
+        self.processors = list(processors)
+        self.rows = []
+
+    def _pre(self, logits, rows):
+        for proc in self.processors:
+            logits = proc(logits, rows)
+        return logits
+
+
+class GreedySampler(_Processors):
     """Argmax verification; output equals target-only greedy decoding."""
 
     name = "greedy"
 
-    def __init__(self, config=None):
-        self.config = config
-
     def prepare(self, rows, vocab_size: int) -> None:
         """Called when the batch composition changes."""
+        self.rows = list(rows)
 
     def first(self, logits, state):
         import mlx.core as mx
 
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        rows = self.rows if state is None else state.rows
+        return mx.argmax(self._pre(logits, rows), axis=-1).astype(mx.int32)
 
     def accept(self, logits, draft, state):
         from mtpflow.sampling import greedy_accept
         from mtpflow.state import AcceptResult
 
-        counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
+        counts, tokens = greedy_accept(self._pre(logits, state.rows), draft.tokens, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
 
-class RejectionSampler:
+class RejectionSampler(_Processors):
     """Lossless speculative sampling on the processed target distribution.
 
     Every row keeps its own PRNG key (from its request's ``seed``), so a row's
@@ -43,10 +56,9 @@ class RejectionSampler:
 
     name = "rejection"
 
-    def __init__(self, config=None):
-        self.config = config
+    def __init__(self, config=None, processors=()):
+        super().__init__(config, processors)
         self.params = None
-        self.rows = []
 
     def prepare(self, rows, vocab_size: int) -> None:
         from mtpflow.sampling import ProcessParams, row_keys
@@ -96,6 +108,7 @@ class RejectionSampler:
 
         rows = self.rows if state is None else state.rows
         self._sync(rows)
+        logits = self._pre(logits, rows)
         if self.params.all_greedy and self._context(rows) is None:
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # no randomness needed
         return sample(process_logits(logits, self.params, self._context(rows)), self._round_keys(rows))
@@ -105,6 +118,7 @@ class RejectionSampler:
         from mtpflow.state import AcceptResult
 
         self._sync(state.rows)
+        logits = self._pre(logits, state.rows)
         if self.params.all_greedy and self._context(state.rows) is None:
             # greedy rows need no randomness and no vocab-sized one-hots
             counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
