@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import attrs
 import cattrs
 from attrs import field, frozen
 
@@ -225,4 +224,4 @@ def unstructure(cfg: Config) -> dict:
     return converter.unstructure(cfg)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "structure", "unstructure", "attrs"]
+__all__ = ["Config", "ConfigError", "load_config", "structure", "unstructure"]

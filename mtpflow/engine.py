@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import structlog
 from attrs import define, field, frozen
 
@@ -420,5 +419,5 @@ def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) 
 
 __all__ = [
     "Session", "Event", "GenerationResult", "LoadError", "load_session", "generate",
-    "generate_stream", "make_request", "target_only_greedy", "attrs",
+    "generate_stream", "make_request", "target_only_greedy", "Batcher",
 ]
