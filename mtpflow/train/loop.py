@@ -36,10 +36,9 @@ only the drafter's parameters are handed to ``value_and_grad``.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
