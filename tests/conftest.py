@@ -69,3 +69,24 @@ def reference(session, ids, n):
     if key not in _references:
         _references[key] = target_only_greedy(session.target, ids, n, session.target.eos_ids)
     return _references[key]
+
+
+def drive_with_late_joiners(session, first, late, join_after, max_live=None):
+    """Decode ``first`` with a :class:`~mtpflow.engine.Batcher`; ``late``
+    requests arrive after ``join_after`` steps.  Returns ``{id: tokens}``;
+    checks at every step that at most ``max_live`` rows decode together."""
+    from mtpflow.engine import Batcher
+
+    b = Batcher(session)
+    b.add(first)
+    out = {r.id: [] for r in list(first) + list(late)}
+    steps = 0
+    while not b.idle:
+        for ev in b.step():
+            out[ev.request_id].extend(ev.tokens)
+        steps += 1
+        if steps == join_after:
+            b.add(late)  # arrive while others decode
+        if max_live is not None:
+            assert b.live <= max_live
+    return out

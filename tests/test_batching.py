@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import FIXTURES, RoundLog, make_session, reference
+from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
 
 from mtpflow.engine import Batcher, generate_stream, make_request
 from mtpflow.plugins import make_plugin_manager
@@ -48,17 +48,7 @@ def test_continuous_batching_admits_between_rounds():
                      batch={"policy": "continuous", "max_batch_size": 3})
     ps = prompts("e")
     reqs = [make_request(s, p, max_tokens=8 + 5 * i, request_id=str(i)) for i, p in enumerate(ps)]
-    b = Batcher(s)
-    b.add(reqs[:2])
-    out = {r.id: [] for r in reqs}
-    steps = 0
-    while not b.idle:
-        for ev in b.step():
-            out[ev.request_id].extend(ev.tokens)
-        steps += 1
-        if steps == 3:
-            b.add(reqs[2:])  # arrive while others decode
-        assert b.live <= 3
+    out = drive_with_late_joiners(s, reqs[:2], reqs[2:], join_after=3, max_live=3)
     for r in reqs:
         assert out[r.id] == ref(s, "e", r.prompt, r.max_tokens), r.id
     sizes = [rec.batch_size for rec in rounds.records]

@@ -4,11 +4,11 @@ import json
 import shutil
 
 import pytest
-from conftest import FIXTURES, RoundLog, make_session, reference
+from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
 
 from mtpflow.drafters.draft_model import DraftModelDrafter, DraftModelError, check_tokenizers
 from mtpflow.drafters.ngram import NgramDrafter, _RowIndex
-from mtpflow.engine import Batcher, LoadError, generate_stream, make_request
+from mtpflow.engine import LoadError, generate_stream, make_request
 from mtpflow.plugins import make_plugin_manager
 
 TARGET = FIXTURES / "pair_e" / "target"
@@ -111,17 +111,8 @@ def test_ngram_index_lookup():
 def test_draft_model_rows_join_between_rounds_and_ids_are_reused():
     s2 = make_session("e", block_size=4, with_drafter=False, model=KINDS["model-other"],
                       batch={"policy": "continuous", "max_batch_size": 3})
-    b = Batcher(s2)
     reqs = [make_request(s2, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(PROMPTS * 2, [9, 14, 20, 12, 7, 16]))]
-    b.add(reqs[:2])
-    out = {r.id: [] for r in reqs}
-    steps = 0
-    while not b.idle:
-        for ev in b.step():
-            out[ev.request_id].extend(ev.tokens)
-        steps += 1
-        if steps == 2:
-            b.add(reqs[2:])
+    out = drive_with_late_joiners(s2, reqs[:2], reqs[2:], join_after=2)
     for r in reqs:
         assert out[r.id] == ref(s2, r.prompt, r.max_tokens), r.id
     # the same request ids again, different prompts: new rows, not stale cache rows
