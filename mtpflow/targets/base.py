@@ -112,6 +112,12 @@ class TargetAdapter:
     def embed(self, tokens: mx.array) -> mx.array:  # pragma: no cover
         raise NotImplementedError
 
+    def final_norm(self, x: mx.array) -> mx.array:
+        """The target's final norm (what turns its last residual stream into
+        the post-norm hidden state ``forward`` returns)."""
+        inner = getattr(self, "inner", None) or self.model.model
+        return inner.norm(x)
+
     @property
     def cache_layer_types(self) -> list[str]:
         """Attention type of every layer that owns a cache."""

@@ -279,17 +279,24 @@ def load_examples(spec: str, tokenizer=None, max_len: int = 1024, target=None, s
     return out
 
 
-def batches(examples: list[Example], batch_size: int, seed: int, step: int, pad_multiple: int = 16):
-    """The batch of a global ``step``: a pure function of (seed, step), so a
-    resumed run sees exactly the batches an uninterrupted one would.
-
-    Returns ``(tokens [B, T] int32, loss [B, T] bool, lengths [B] int32)``."""
-    per_epoch = max(1, len(examples) // batch_size)
+def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Example indices of the batch of a global ``step``: a pure function of
+    (seed, step), so a resumed run sees exactly the batches an uninterrupted
+    one would; every epoch is a new permutation."""
+    per_epoch = max(1, n // batch_size)
     epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    order = np.random.default_rng([seed, epoch]).permutation(n)
     idx = order[k * batch_size : (k + 1) * batch_size]
     if len(idx) < batch_size:  # fewer examples than one batch: wrap around
         idx = np.resize(order, batch_size)
+    return idx
+
+
+def batches(examples: list[Example], batch_size: int, seed: int, step: int, pad_multiple: int = 16):
+    """The batch of a global ``step`` (:func:`batch_indices`).
+
+    Returns ``(tokens [B, T] int32, loss [B, T] bool, lengths [B] int32)``."""
+    idx = batch_indices(len(examples), batch_size, seed, step)
     sel = [examples[i] for i in idx]
     T = max(len(e) for e in sel)
     T = -(-T // pad_multiple) * pad_multiple

@@ -78,6 +78,12 @@ class TrainConfig:
     save_dtype: str | None = None
     progress: bool = True
     ema: float = 0.9
+    #: ``distill:`` data: tokens the target generates per prompt, rows per batch, time limit
+    distill_tokens: int = 128
+    distill_batch: int = 32
+    distill_time_s: float | None = None
+    #: drafter initialisation: "identity" (h' starts as the target's hidden state) or "random"
+    init: str = "identity"
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -86,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"targets must be 'soft' or 'hard' (got {self.targets!r})")
         if self.unroll < 1:
             raise ValueError("unroll must be >= 1")
+        if self.init not in ("identity", "random"):
+            raise ValueError(f"init must be 'identity' or 'random' (got {self.init!r})")
 
 
 # ------------------------------------------------------------------------------ objective
@@ -117,15 +125,19 @@ def _shift(a: mx.array, k: int) -> mx.array:
     return mx.concatenate([a[:, k:], pad], axis=1)
 
 
-def train_masks(kv: dict, T: int, window: int | None) -> dict:
+def train_masks(kv: dict, T: int, window: int | None, qpos: mx.array | None = None) -> dict:
     """Per layer type, the ``[B, 1, T, S]`` visibility of training queries:
     query ``t`` (bonus position ``t + 1``) sees what one inference step with
     ``bonus_position = t + 1`` sees -- the rule of :func:`drafter_mask`, here
-    broadcast over all queries of the sequence."""
+    broadcast over all queries of the sequence.  ``qpos`` ``[B, T]``: the
+    absolute position of each query (default ``0..T-1`` in every row)."""
     out = {}
     for t, (pos, _k) in kv.items():
         B, S = pos.shape
-        bonus = mx.broadcast_to(mx.arange(1, T + 1, dtype=mx.int32)[None, :, None], (B, T, 1))
+        if qpos is None:
+            bonus = mx.broadcast_to(mx.arange(1, T + 1, dtype=mx.int32)[None, :, None], (B, T, 1))
+        else:
+            bonus = (qpos + 1)[:, :, None]
         m = drafter_mask(pos[:, None, None, :], bonus, window if t == SLIDING else None)  # [B,1,1,1,T,S]
         out[t] = m.reshape(B, 1, T, S)
     return out
@@ -173,12 +185,22 @@ def choose_draft_vocab(examples, vocab_size: int, k: int, always=()) -> np.ndarr
 
 def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, weights, unroll: int, targets: str):
     """Weighted loss over ``unroll`` steps; returns ``(loss, per_step_loss
-    [S], per_step_correct [S], per_step_count [S])``."""
+    [S], per_step_correct [S], per_step_count [S])``.
+
+    With ``tp["qpos"]`` ``[B, T]`` the query-side arrays (hidden, embed,
+    label logits, argmax, ``tokens``, ``loss_mask``) hold a contiguous window
+    of each row starting at ``qpos[:, 0]`` (positions that feed no loss term are
+    left out, :func:`mtpflow.train.features.feature_batch`); the K/V side is
+    always whole."""
     B, T = tokens.shape
     types = set(model.layer_types)
     kv = {t: tp["kv"][t] for t in types}
-    masks = train_masks({t: (tp["positions"][t], None) for t in types}, T, model.sliding_window)
-    tpos = mx.arange(T, dtype=mx.int32)[None]
+    qpos = tp.get("qpos")
+    masks = train_masks({t: (tp["positions"][t], None) for t in types}, T, model.sliding_window, qpos)
+    if qpos is None:
+        tpos, offset = mx.arange(T, dtype=mx.int32)[None], 1
+    else:
+        tpos, offset = qpos, qpos[:, 0] + 1
     tgt_logp = tp["label_logits"] - mx.logsumexp(tp["label_logits"], axis=-1, keepdims=True)
     sub = model.draft_vocab if model.has_draft_vocab else None
     h = tp["hidden"]
@@ -186,7 +208,7 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
     losses, correct, counts = [], [], []
     for i in range(unroll):
         emb_in = _shift(tp["embed"], 1 + i)
-        z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, 1)
+        z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, offset)
         logits = model.head_logits(z).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         lab_logp = _shift(tgt_logp, 1 + i)  # target distribution of x_{t+2+i}
@@ -197,7 +219,8 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
             p = mx.exp(lab_logp)
             per = (p * (lab_logp - logp)).sum(-1)  # KL(target || drafter) over the head's vocabulary
         else:
-            lab = tgt_tok if sub is None else tp["inv"][tgt_tok]
+            safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
+            lab = safe if sub is None else tp["inv"][safe]
             if sub is not None:
                 valid = valid & (lab >= 0)
                 vf = valid.astype(mx.float32)
@@ -214,6 +237,28 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
         correct.append(mx.stop_gradient((hit * vf).sum()))
         counts.append(n)
     return total, mx.stack(losses), mx.stack(correct), mx.stack(counts)
+
+
+def identity_init(model: GenericAssistantModel, damp: float = 0.1) -> bool:
+    """Start the drafter as (nearly) the identity on the hidden state: the
+    ``h`` half of ``pre_projection`` and ``post_projection`` are identities,
+    the token half is halved and the layers' output projections damped, so
+    the first ``h'`` is close to ``h`` (with ``hidden_norm`` exactly on the
+    target's hidden-state manifold and at its logit scale).  Measured on
+    SmolLM2-135M: from loss 13.5 to 3.9 in 30 steps, against 19 to 6.2 from a
+    random start (which also swings up to 50 on the way).  Needs the drafter
+    width to equal the target's; returns whether it applied."""
+    Dd, Dt = model.config["hidden_size"], model.config["backbone_hidden_size"]
+    if Dd != Dt:
+        return False
+    w = model.pre_projection.weight
+    eye = mx.eye(Dt, dtype=w.dtype)
+    model.pre_projection.weight = mx.concatenate([w[:, :Dt] * 0.5, eye], axis=1)
+    model.post_projection.weight = eye
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * damp
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * damp
+    return True
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -329,8 +374,21 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
 
     mx.random.seed(cfg.seed)
     model = GenericAssistantModel(dcfg, target)
+    if cfg.init == "identity":
+        identity_init(model)
     mx.eval(model.parameters())
-    if examples is None:
+    feats = None
+    distill = None
+    if examples is None and isinstance(data_spec, str) and data_spec.startswith("distill:"):
+        from . import features as feat_mod
+
+        prompts = feat_mod.distill_prompts(data_spec[len("distill:"):], _load_tokenizer(target),
+                                           max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
+        distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
+                                   batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s, progress=cfg.progress)
+        feats = feat_mod.load_features(out / "features")
+        examples = [data_mod.Example(f.tokens, f.loss) for f in feats]
+    elif examples is None:
         tok = _load_tokenizer(target)
         examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
     if model.has_draft_vocab:
@@ -365,9 +423,16 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
                 break
             if cfg.stop_at is not None and step >= cfg.stop_at:
                 break
-            toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
-            toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
-            tp = target_pass(target, toks, model)
+            if feats is not None:
+                from .features import feature_batch
+
+                idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)
+                tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
+                lens_np = np.array(lens)
+            else:
+                toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+                toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
+                tp = target_pass(target, toks, model)
             w = mx.array(step_weights(cfg.step_weights, cfg.unroll, cfg.decay, acc_ema))
             (loss, per, cor, cnt), grads = grad_fn(model, tp, toks, lmask, lens, w)
             grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -401,6 +466,8 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         "examples": len(examples), "loss_tokens_per_epoch": int(sum(n_tokens_ex)),
         "final": last, "acc_ema": acc_ema, "train_config": asdict(cfg), "data": data_spec,
     }
+    if distill is not None:
+        summary["distill"] = distill
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -411,7 +478,8 @@ def add_train_arguments(p) -> None:
     p.add_argument("--target", required=True, help="target model folder or Hugging Face repo id")
     p.add_argument("--drafter-config", help="drafter config: a JSON file (full config, or make_config options such as "
                    '{"num_hidden_layers": 2, "draft_vocab_size": 8192}) or inline JSON; default: 2 layers at the target width')
-    p.add_argument("--data", required=True, help="data spec: sharegpt[:N], FILE.jsonl[:N], FILE.json, FILE.txt, DIR, selfgen:N[:L]; comma-separated")
+    p.add_argument("--data", required=True, help="data spec: sharegpt[:N], FILE.jsonl[:N], FILE.json, FILE.txt, DIR, selfgen:N[:L]; comma-separated; "
+                   "or distill:PROMPTS (distill:sharegpt:N): the target answers the prompts greedily and its features are cached in OUT/features")
     p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint)")
     d = TrainConfig()
     for name in ("steps", "batch_size", "max_len", "unroll", "checkpoint_every", "seed"):
@@ -419,9 +487,16 @@ def add_train_arguments(p) -> None:
     for name in ("lr", "weight_decay", "grad_clip", "decay", "min_lr_ratio"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--init", choices=["identity", "random"], default=d.init,
+                   help="drafter initialisation (identity: h' starts as the target's hidden state)")
     p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights)
     p.add_argument("--targets", choices=["soft", "hard"], default=d.targets)
     p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (checkpointed; rerun to resume)")
+    p.add_argument("--distill-tokens", type=int, default=d.distill_tokens,
+                   help="distill: data: tokens the target generates per prompt (greedy)")
+    p.add_argument("--distill-batch", type=int, default=d.distill_batch, help="distill: data: prompts per generation batch")
+    p.add_argument("--distill-time", type=float, default=None,
+                   help="distill: data: stop collecting after this many seconds and train on what was collected (rerun to add more)")
     p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--no-progress", action="store_true")
 
@@ -435,7 +510,8 @@ def run_train(args) -> int:
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip, unroll=args.unroll,
         step_weights=args.step_weights, decay=args.decay, targets=args.targets, seed=args.seed,
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
-        progress=not args.no_progress,
+        progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
+        distill_time_s=args.distill_time, init=args.init,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))

@@ -10,7 +10,8 @@ A drafter ``config.json``::
      "attention": {"full_attention": {"num_attention_heads": 9, "num_key_value_heads": 3,
                                        "head_dim": 64, "scale": 0.125, "q_norm": false}},
      "sliding_window": null, "rms_norm_eps": 1e-5, "vocab_size": 49152,
-     "lm_head": "target"}                    # "target" | "own"
+     "lm_head": "target",                    # "target" | "own"
+     "hidden_norm": "target"}                # h' through the target's final norm (or "none")
 
 ``lm_head``:
 
@@ -129,6 +130,7 @@ def make_config(
         "vocab_size": geo["vocab_size"],
         "lm_head": lm_head,
         "hidden_act": "silu",
+        "hidden_norm": "target",
     }
     cfg.update(extra)
     check_compatible(target_config, cfg)
@@ -173,6 +175,8 @@ def check_compatible(target_config: dict, drafter_config: dict) -> dict:
                 bad(f"{name}-attention {key}", ta[key], da.get(key))
     if SLIDING in types and d.get("sliding_window") != geo["sliding_window"]:
         bad("sliding_window", geo["sliding_window"], d.get("sliding_window"))
+    if d.get("hidden_norm") not in (None, "none", "target"):
+        raise IncompatibleDrafter(f"drafter config: hidden_norm {d.get('hidden_norm')!r} is not 'target' or 'none'")
     if d.get("lm_head", "target") not in LM_HEADS:
         raise IncompatibleDrafter(f"drafter config: lm_head {d.get('lm_head')!r} is not one of {LM_HEADS}")
     return d

@@ -8,6 +8,7 @@ positions of a sequence at training time)::
         x = x + o_proj(attn(rope(q_norm?(q_proj(norm(x)))), K_t, V_t, mask_t))
         x = x + mlp(norm(x))                                   # SwiGLU
     final = norm(x);  h' = post_projection(final)              # [B, L, Dt]
+    h' = target.final_norm(h')          (config "hidden_norm": "target")
     logits = target.logits(h')   (lm_head "target")  |  lm_head(final)  ("own")
 
 ``K_t, V_t`` are the target's store-layer K/V (already RoPE'd by the target);
@@ -142,6 +143,7 @@ class GenericAssistantModel(nn.Module):
         if self.head_kind == "own":
             self.lm_head = nn.Linear(Dd, K or config["vocab_size"], bias=False)
         self.sliding_window = config.get("sliding_window")
+        self.hidden_norm = config.get("hidden_norm") == "target"
         self.bind_target(target)
 
     @property
@@ -172,6 +174,10 @@ class GenericAssistantModel(nn.Module):
             x = layer(x, k, v, masks[layer.layer_type], offset, ropes[layer.layer_type])
         final = self.model.norm(x)
         proj = self.post_projection(final)
+        if self.hidden_norm:
+            # h' through the target's own final norm: the fed-back state and the
+            # head input live where the target's post-norm hidden state does
+            proj = self._target.obj.final_norm(proj)
         return (proj if self.head_kind == "target" else final), proj
 
     def step(self, x_in: mx.array, kv: dict, masks: dict, position: mx.array):

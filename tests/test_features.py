@@ -1,0 +1,126 @@
+"""Self-distillation with cached target features (mtpflow.train.features):
+the cached hidden states and K/V are the target's own, the cropped query
+window gives the same objective as the whole sequence, the cache resumes,
+and training from ``distill:`` data lowers the loss."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+from mtpflow.drafters.mtpflow_assistant.model import GenericAssistantModel
+from mtpflow.train.features import collect, distill_prompts, feature_batch, generate_features, load_features
+from mtpflow.train.loop import _load_target, _load_tokenizer, drafter_loss, resolve_drafter_config, target_pass, train
+
+PAIR_E = FIXTURES / "pair_e" / "target"
+DRAFTER = {"num_hidden_layers": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _load_target(PAIR_E)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    rng = np.random.default_rng(3)
+    return [rng.integers(4, target.vocab_size, size=n).tolist() for n in (5, 11, 8, 3)]
+
+
+@pytest.fixture(scope="module")
+def feats(target, prompts):
+    return generate_features(target, prompts, 10, stop_ids=())
+
+
+def test_features_equal_a_fresh_forward_and_continuation_is_greedy(target, prompts, feats):
+    assert [len(e) for e in feats] == [len(p) + 10 for p in prompts]
+    for p, e in zip(prompts, feats):
+        assert e.tokens[: len(p)].tolist() == p
+        assert not e.loss[: len(p)].any() and e.loss[len(p):].all()
+        ref = target_pass(target, mx.array(e.tokens[None]))
+        H = np.array(ref["hidden"][0])
+        scale = np.abs(H).max()
+        assert np.abs(H - e.hidden.astype(np.float32)).max() <= 2e-3 * scale  # fp16 storage
+        for t, (k, v) in ref["kv"].items():
+            for got, want in ((e.kv[t][0], k), (e.kv[t][1], v)):
+                want = np.array(want[0])
+                assert got.shape == want.shape
+                assert np.abs(got.astype(np.float32) - want).max() <= 2e-3 * np.abs(want).max()
+        am = np.array(ref["argmax"][0])
+        gen = np.arange(len(p) - 1, len(e) - 1)
+        assert (am[gen] == e.tokens[gen + 1]).all()  # the continuation is the target's greedy output
+
+
+def test_a_row_stops_at_its_stop_token(target, prompts, feats):
+    stop = int(feats[0].tokens[len(prompts[0]) + 3])  # row 0's 4th generated token
+    got = generate_features(target, prompts, 10, stop_ids={stop})
+    for p, full, e in zip(prompts, feats, got):
+        g = full.tokens[len(p):].tolist()
+        n = g.index(stop) + 1 if stop in g else len(g)
+        assert e.tokens.tolist() == full.tokens[: len(p) + n].tolist()  # stop token kept, nothing after it
+    assert len(got[0]) == len(prompts[0]) + 4
+
+
+def test_cropped_query_window_gives_the_same_objective(target, feats):
+    cfg = resolve_drafter_config(target, DRAFTER)
+    mx.random.seed(0)
+    model = GenericAssistantModel(cfg, target)
+    mx.eval(model.parameters())
+    w = mx.array([0.5, 0.3, 0.2])
+    idx = [0, 1, 2, 3]
+    full, (tk, lm, ln) = feature_batch(feats, idx, target, model)
+    crop, (tk2, lm2, ln2) = feature_batch(feats, idx, target, model, unroll=3)
+    assert tk2.shape[1] < tk.shape[1]  # the prompt part of the query side was dropped
+    a = drafter_loss(model, full, tk, lm, ln, w, 3, "soft")
+    b = drafter_loss(model, crop, tk2, lm2, ln2, w, 3, "soft")
+    for x, y in zip(a, b):
+        assert np.allclose(np.array(x), np.array(y), rtol=1e-4, atol=1e-5), (x, y)
+    assert float(a[3].sum()) > 0  # some terms counted
+    # and the cached batch is what a live target pass over the same tokens gives
+    live = target_pass(target, tk, model)
+    c = drafter_loss(model, live, tk, lm, ln, w, 3, "soft")
+    for x, y in zip(a, c):
+        assert np.allclose(np.array(x), np.array(y), rtol=2e-2, atol=2e-2), (x, y)
+
+
+def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
+    s1 = collect(target, prompts, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
+    assert s1["complete"] and s1["examples"] == 4 and s1["loss_tokens"] == 24
+    exs = load_features(tmp_path / "f")
+    assert sorted(len(e) for e in exs) == sorted(len(p) + 6 for p in prompts)
+    s2 = collect(target, prompts, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
+    assert s2["examples"] == 0  # every shard was there already
+    with pytest.raises(ValueError, match="other settings"):
+        collect(target, prompts, tmp_path / "f", max_new=7, batch_size=2, progress=False)
+    part = collect(target, prompts, tmp_path / "g", max_new=6, batch_size=2, progress=False, max_time_s=0)
+    assert not part["complete"] and part["examples"] == 0
+    with pytest.raises(FileNotFoundError, match="collect features first"):
+        load_features(tmp_path / "nothing")
+
+
+def test_distill_prompts_use_the_chat_template_or_plain_text(target, tmp_path):
+    tok = _load_tokenizer(target)
+    f = tmp_path / "p.txt"
+    f.write_text("beca daka doli bugi base\nbeca daka doli bugi base\nbugi base dana gane bate\n")
+    got = distill_prompts(str(f), tok, max_prompt_len=64)
+    assert len(got) == 2  # the duplicate line is dropped
+    assert all(isinstance(t, int) for t in got[0])
+    with pytest.raises(ValueError, match="no prompt"):
+        distill_prompts(str(f), tok, max_prompt_len=1)
+
+
+def test_training_on_distilled_features_lowers_the_loss(target, tmp_path):
+    f = tmp_path / "p.txt"
+    rng = np.random.default_rng(0)
+    words = (FIXTURES / "prompt_short.txt").read_text().split()
+    f.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(16)) + "\n")
+    out = tmp_path / "d"
+    summary = train(target, DRAFTER, f"distill:{f}", out, steps=24, batch_size=4, unroll=3, warmup=2, lr=3e-3,
+                    progress=False, checkpoint_every=100, distill_tokens=16, distill_batch=8, max_len=64)
+    assert summary["distill"]["examples"] == 16 and summary["examples"] == 16
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    assert last < 0.7 * first, (first, last)
+    assert (out / "features" / "meta.json").is_file()
