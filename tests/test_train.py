@@ -120,3 +120,14 @@ def test_batches_are_a_function_of_seed_and_step():
     toks, loss, lens = a
     for r in range(4):
         assert not loss[r, lens[r]:].any()  # padding never carries loss
+
+
+def test_draft_vocab_ranks_by_training_and_extra_frequencies():
+    from mtpflow.train.loop import choose_draft_vocab
+
+    ex = [Example(np.array([5, 5, 5, 6, 7], np.int32), np.array([1, 1, 1, 1, 0], bool))]
+    assert choose_draft_vocab(ex, 10, 2).tolist() == [5, 6]  # 7 carries no loss
+    # the extra corpus outweighs a token the small training set saw once
+    extra = [Example(np.array([8] * 50 + [5] * 10, np.int32), np.ones(60, bool))]
+    assert choose_draft_vocab(ex, 10, 2, extra=extra).tolist() == [5, 8]
+    assert choose_draft_vocab(ex, 10, 2, always=[9]).tolist() == [5, 9]  # EOS is always draftable

@@ -19,51 +19,125 @@ class FixedBlockPolicy:
 
 
 class AdaptiveBlockPolicy:
-    """Picks the block size with the best measured throughput.
+    """Picks the block size that maximises predicted throughput.
 
-    Every round is timed (draft + verify + host) and its emitted tokens
-    counted; an exponential moving average of tokens per second is kept per
-    block size, 1 (no drafting) to ``draft.max_block_size``.  Each size is
-    tried ``warmup`` times first, then the best is used, with a neighbour
-    re-measured every ``explore_every`` rounds so the choice follows changes
-    (acceptance drifting with the text, the batch growing or shrinking).  When
-    drafting does not pay -- a cheap target, a large batch -- block size 1 wins
-    and the drafter stops running.
+    A small cost model, fitted online from the rounds themselves:
+
+    * **acceptance**: for every draft position ``i``, how many row-rounds
+      reached it (all drafts before it accepted) and how many accepted it;
+      ``p_i = m + sqrt(m (1 - m) / (reached + 2))`` with
+      ``m = (accepted + 1) / (reached + 2)`` (optimistic by one standard
+      error, shrinking as rounds accumulate), and a position never reached
+      yet takes the estimate of the one before it.  Expected tokens per row
+      for block size ``k``: ``E(k) = 1 + sum_{j<k-1} prod_{i<=j} p_i``;
+    * **cost**: seconds per draft step (``draft_s / drafted``) and seconds of
+      verify + host per round for each block size measured, both as moving
+      averages; an unmeasured size is interpolated (extrapolated) linearly
+      from the measured ones.
+
+    The first round runs ``draft.block_size``, the second runs block size 1
+    (the null path, so the cost of verifying more than one token is known),
+    then every round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
+    every ``explore_every`` rounds so the model follows changes (acceptance
+    drifting with the text, rows leaving the batch).  Unlike trying every
+    size in turn, a short request spends at most one round off the best
+    size.  When drafting does not pay -- a cheap target, a large batch, a
+    drafter that is rarely right -- block size 1 wins and the drafter stops
+    running.
     """
 
     name = "adaptive"
-    warmup = 2
-    explore_every = 12
+    explore_every = 8
     alpha = 0.3
 
     def __init__(self, config):
-        self.sizes = list(range(1, max(config.draft.max_block_size, config.draft.block_size) + 1))
-        self.rate: dict[int, float] = {}
-        self.seen: dict[int, int] = {}
+        self.max_k = max(config.draft.max_block_size, config.draft.block_size)
         self.start = config.draft.block_size
+        self.reached = [0] * self.max_k
+        self.accepted = [0] * self.max_k
+        self.step_s: float | None = None
+        self.verify: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
         self.rounds = 0
         self._flip = 1
 
+    # -- the model -----------------------------------------------------------------
+    def p(self, i: int) -> float:
+        """Optimistic acceptance estimate of draft position ``i``: the smoothed
+        rate plus one standard error, so a size measured only a few times is
+        tried again rather than written off after one unlucky round."""
+        est = 0.5
+        for j in range(i + 1):
+            n = self.reached[j]
+            if n:
+                m = (self.accepted[j] + 1) / (n + 2)
+                est = min(1.0, m + (m * (1 - m) / (n + 2)) ** 0.5)
+        return est
+
+    def expected_tokens(self, k: int) -> float:
+        e = run = 1.0
+        for i in range(k - 1):
+            run *= self.p(i)
+            e += run
+        return e
+
+    def verify_cost(self, k: int) -> float:
+        known = sorted(self.verify)
+        if k in self.verify:
+            return self.verify[k]
+        if len(known) == 1:
+            return self.verify[known[0]]
+        lo = [x for x in known if x < k]
+        hi = [x for x in known if x > k]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+        elif lo:
+            a, b = lo[-2], lo[-1]
+        else:
+            a, b = hi[0], hi[1]
+        va, vb = self.verify[a], self.verify[b]
+        return max(va + (vb - va) * (k - a) / (b - a), 1e-9)
+
+    def cost(self, k: int) -> float:
+        return self.verify_cost(k) + (k - 1) * (self.step_s or 0.0)
+
+    def predicted_rate(self, k: int) -> float:
+        """Predicted tokens per second per row at block size ``k``."""
+        return self.expected_tokens(k) / self.cost(k)
+
+    def best(self) -> int:
+        return max(range(1, self.max_k + 1), key=self.predicted_rate)
+
+    # -- the policy protocol -------------------------------------------------------
     def block_size(self, stats) -> int:
-        order = [self.start] + [k for k in self.sizes if k != self.start]
-        for k in order:
-            if self.seen.get(k, 0) < self.warmup:
-                return k
+        if self.start not in self.verify:
+            return self.start
+        if 1 not in self.verify:
+            return 1
         self.rounds += 1
-        best = max(self.rate, key=self.rate.get)
+        best = self.best()
         if self.rounds % self.explore_every == 0:
             self._flip = -self._flip
-            return min(max(best + self._flip, self.sizes[0]), self.sizes[-1])
+            if best + self._flip < 1 or best + self._flip > self.max_k:
+                self._flip = -self._flip
+            return best + self._flip
         return best
 
     def observe(self, record) -> None:
-        elapsed = record.draft_s + record.verify_s + record.host_s
-        if elapsed <= 0:
-            return
         k = record.block_size
-        r = sum(record.emitted) / elapsed
+        a = self.alpha
         self.seen[k] = self.seen.get(k, 0) + 1
-        self.rate[k] = r if k not in self.rate else (1 - self.alpha) * self.rate[k] + self.alpha * r
+        v = record.verify_s + record.host_s
+        if v > 0:
+            self.verify[k] = v if k not in self.verify else (1 - a) * self.verify[k] + a * v
+        d = record.drafted
+        if d > 0:
+            per = record.draft_s / d
+            self.step_s = per if self.step_s is None else (1 - a) * self.step_s + a * per
+            for acc in record.accepted:
+                for i in range(min(acc + 1, d)):
+                    self.reached[i] += 1
+                    self.accepted[i] += i < acc
 
 
 class StaticBatchPolicy:

@@ -84,6 +84,8 @@ class TrainConfig:
     distill_time_s: float | None = None
     #: drafter initialisation: "identity" (h' starts as the target's hidden state) or "random"
     init: str = "identity"
+    #: a data spec whose tokens also rank the draft vocabulary (``draft_vocab_size``)
+    vocab_data: str | None = None
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -171,12 +173,23 @@ def target_pass(target, tokens: mx.array, model: GenericAssistantModel | None = 
     return out
 
 
-def choose_draft_vocab(examples, vocab_size: int, k: int, always=()) -> np.ndarray:
+def choose_draft_vocab(examples, vocab_size: int, k: int, always=(), extra=None) -> np.ndarray:
     """The ``k`` most frequent loss tokens of the training data (EAGLE-3's
-    reduced draft vocabulary), plus ``always`` (EOS ids); sorted ids."""
-    counts = np.zeros(vocab_size, np.int64)
-    for e in examples:
-        counts += np.bincount(e.tokens[e.loss], minlength=vocab_size)[:vocab_size]
+    reduced draft vocabulary), plus ``always`` (EOS ids); sorted ids.
+
+    ``extra``: more examples (``--vocab-data``) whose token frequencies are
+    added with the same total weight as the training data's -- a large text
+    corpus fixes the ranking of tokens a small training set sees rarely."""
+
+    def freq(exs):
+        counts = np.zeros(vocab_size, np.float64)
+        for e in exs:
+            counts += np.bincount(e.tokens[e.loss], minlength=vocab_size)[:vocab_size]
+        return counts / max(counts.sum(), 1.0)
+
+    counts = freq(examples)
+    if extra:
+        counts = counts + freq(extra)
     for t in always:
         counts[t] = counts.max() + 1
     top = np.argsort(-counts, kind="stable")[:k]
@@ -393,7 +406,10 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
     if model.has_draft_vocab:
         K = model.draft_vocab.shape[0]
-        model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids)))
+        extra = None
+        if cfg.vocab_data:
+            extra = data_mod.load_examples(cfg.vocab_data, _load_tokenizer(target), max_len=4096, target=target, seed=cfg.seed)
+        model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids), extra))
     n_tokens_ex = [int(e.loss.sum()) for e in examples]
 
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
@@ -489,6 +505,8 @@ def add_train_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--init", choices=["identity", "random"], default=d.init,
                    help="drafter initialisation (identity: h' starts as the target's hidden state)")
+    p.add_argument("--vocab-data", default=None,
+                   help="data spec whose tokens also rank the draft vocabulary (e.g. sharegpt:6000); needs draft_vocab_size")
     p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights)
     p.add_argument("--targets", choices=["soft", "hard"], default=d.targets)
     p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (checkpointed; rerun to resume)")
@@ -511,7 +529,7 @@ def run_train(args) -> int:
         step_weights=args.step_weights, decay=args.decay, targets=args.targets, seed=args.seed,
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
-        distill_time_s=args.distill_time, init=args.init,
+        distill_time_s=args.distill_time, init=args.init, vocab_data=args.vocab_data,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
