@@ -19,7 +19,7 @@ class CLIError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair)")
+    p.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m")
     p.add_argument("--draft-model", help="drafter: local folder or Hugging Face repo id")
     p.add_argument("--draft-kind", help="drafter kind (detected from the drafter's config.json when omitted)")
     p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1")
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--min-p", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("--chat-template", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--chat-template", action="store_true", default=None,
+                   help="wrap the prompt in the tokenizer's chat template (on by default for the built-in default model)")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="never wrap the prompt")
     g.add_argument("--trace", help="write one JSON line per round to this file")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
 
@@ -123,6 +125,9 @@ def _quiet_logger():
     return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
 def _encode(session, text: str, chat: bool) -> list[int]:
     tok = session.tokenizer
     if tok is None:
@@ -154,6 +159,9 @@ def _generate(args, cfg, log) -> int:
         session = load_session(cfg, log=log)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+    builtin = cfg.model.model is None  # the built-in default: an instruct model, chat template on
+    if args.chat_template is None:
+        args.chat_template = builtin
 
     if args.prompt_ids:
         try:
@@ -166,7 +174,7 @@ def _generate(args, cfg, log) -> int:
             raise CLIError(f"{args.prompts_file} holds no prompt")
         prompts = [_encode(session, ln, args.chat_template) for ln in lines]
     else:
-        text = args.prompt if args.prompt is not None else "beca daka doli bugi base dana gane bate dozi behe"
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if text == "-":
             text = sys.stdin.read()
         prompts = [_encode(session, text, args.chat_template)]

