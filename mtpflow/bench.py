@@ -173,12 +173,12 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
 
 
 def resolve_model_path(name: str, dtype: str = "float32") -> str:
-    """A packaged GGUF name (``smollm2-135m``) -> its converted mlx-lm folder; else unchanged."""
-    from .convert.gguf import PACKAGED_GGUFS, find_packaged_gguf, load_gguf_cached
+    """A packaged GGUF name (``smollm2-135m``) -> its converted mlx-lm folder
+    (:func:`mtpflow.engine.resolve_model`); else unchanged."""
+    from .convert.gguf import PACKAGED_GGUFS
+    from .engine import resolve_model
 
-    if name in PACKAGED_GGUFS:
-        return str(load_gguf_cached(find_packaged_gguf(name), dtype=dtype))
-    return name
+    return str(resolve_model(name, dtype)) if name in PACKAGED_GGUFS else name
 
 
 # --------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def _load_mlx_lm_draft(name: str, dtype: str):
 
     from .engine import resolve_model
 
-    path = resolve_model(resolve_model_path(name, dtype))
+    path = resolve_model(name, dtype)
     model, cfg = load_model(Path(path))
     if dtype and not (cfg.get("quantization") or cfg.get("quantization_config")):
         model.set_dtype(getattr(mx, dtype))

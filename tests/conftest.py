@@ -20,6 +20,14 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.fixture(scope="session")
+def target():
+    """The pair_e target through the training loader (drafter-training tests)."""
+    from mtpflow.train.loop import _load_target
+
+    return _load_target(FIXTURES / "pair_e" / "target")
+
+
 def quiet_log():
     """A structlog logger that prints nothing (round events of big batches are long)."""
     from mtpflow.cli import _quiet_logger

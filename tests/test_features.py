@@ -12,15 +12,10 @@ from conftest import FIXTURES
 
 from mtpflow.drafters.mtpflow_assistant.model import GenericAssistantModel
 from mtpflow.train.features import collect, distill_prompts, feature_batch, generate_features, load_features
-from mtpflow.train.loop import _load_target, _load_tokenizer, drafter_loss, resolve_drafter_config, target_pass, train
+from mtpflow.train.loop import _load_tokenizer, drafter_loss, resolve_drafter_config, target_pass, train
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 DRAFTER = {"num_hidden_layers": 2, "intermediate_size": 128}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return _load_target(PAIR_E)
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,11 @@ from mlx.utils import tree_flatten
 
 from mtpflow.drafters.gemma4_assistant.masks import drafter_mask
 from mtpflow.train.data import Example, batches, iter_json_objects, to_messages
-from mtpflow.train.loop import _load_target, step_weights, train, train_masks
+from mtpflow.train.loop import step_weights, train, train_masks
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 FAST = dict(batch_size=4, unroll=3, warmup=2, lr=3e-3, progress=False, checkpoint_every=4)
 DRAFTER = {"num_hidden_layers": 2, "intermediate_size": 128}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return _load_target(PAIR_E)
 
 
 @pytest.fixture(scope="module")

@@ -248,13 +248,9 @@ def feature_batch(examples: list[FeatureExample], idx, target, model=None, unrol
     }
     if unroll is not None:
         tp["qpos"] = mx.array(qpos.astype(np.int32))
-    if model is not None and model.has_draft_vocab:
-        tp["label_logits"] = sg(model.head_logits(H))
-        inv = mx.full((target.vocab_size,), -1, mx.int32)
-        inv[model.draft_vocab] = mx.arange(model.draft_vocab.shape[0], dtype=mx.int32)
-        tp["inv"] = inv
-    else:
-        tp["label_logits"] = sg(target.logits(H))
+    from .loop import label_targets
+
+    tp.update(label_targets(target, model, H))
     return tp, (tok_mx, mx.array(loss), mx.array(lens))
 
 
@@ -271,14 +267,12 @@ def distill_prompts(spec: str, tokenizer, max_prompt_len: int = 192, min_prompt_
 
     if tokenizer is None:
         raise DataError("distill data needs the target's tokenizer (tokenizer.json in the target folder)")
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    templ = bool(getattr(tok, "chat_template", None))
+    templ = bool(getattr(tokenizer, "chat_template", None))
 
-    def enc(text: str):
+    def enc(text: str):  # as mtpflow eval and generate --chat-template encode a prompt
         if templ:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-            return list(tok.encode(text, add_special_tokens=False))
-        return list(tok.encode(text))
+            return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        return list(tokenizer.encode(text))
 
     name, limit = _split_limit(spec)
     if name == "sharegpt":

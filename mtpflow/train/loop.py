@@ -163,14 +163,21 @@ def target_pass(target, tokens: mx.array, model: GenericAssistantModel | None = 
         "kv": {t: (sg(v.keys), sg(v.values)) for t, v in shared.items()},
         "positions": {t: v.positions for t, v in shared.items()},
     }
+    out.update(label_targets(target, model, H, full))
+    return out
+
+
+def label_targets(target, model: GenericAssistantModel | None, H: mx.array, full: mx.array | None = None) -> dict:
+    """``label_logits``: the target's logits at ``H`` over the drafter's output
+    space (``full``, the full-vocabulary logits when already computed, or the
+    target head restricted to the draft vocabulary); with a draft vocabulary
+    also ``inv``, the draft index of every token id (-1 outside it)."""
+    sg = mx.stop_gradient
     if model is not None and model.has_draft_vocab:
-        out["label_logits"] = sg(model.head_logits(H))  # the target head, restricted to the draft vocabulary
         inv = mx.full((target.vocab_size,), -1, mx.int32)
         inv[model.draft_vocab] = mx.arange(model.draft_vocab.shape[0], dtype=mx.int32)
-        out["inv"] = inv
-    else:
-        out["label_logits"] = sg(full)
-    return out
+        return {"label_logits": sg(model.head_logits(H)), "inv": inv}
+    return {"label_logits": sg(full if full is not None else target.logits(H))}
 
 
 def choose_draft_vocab(examples, vocab_size: int, k: int, always=(), extra=None) -> np.ndarray:
@@ -400,6 +407,7 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
                                    batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s, progress=cfg.progress)
         feats = feat_mod.load_features(out / "features")
+        feature_batch = feat_mod.feature_batch
         examples = [data_mod.Example(f.tokens, f.loss) for f in feats]
     elif examples is None:
         tok = _load_tokenizer(target)
@@ -440,8 +448,6 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
             if cfg.stop_at is not None and step >= cfg.stop_at:
                 break
             if feats is not None:
-                from .features import feature_batch
-
                 idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)
                 tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
                 lens_np = np.array(lens)
