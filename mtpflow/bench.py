@@ -63,7 +63,7 @@ def _int_list(text: str) -> list[int]:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", "--model", dest="target",
                    help="target: model folder, Hugging Face repo id, or a packaged GGUF name "
-                        "(smollm2-135m, gemma3-270m); default: the built-in pair (smollm2-135m + its shipped drafter)")
+                        "(smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b, ...); default: the built-in pair (smollm2-135m + its shipped drafter)")
     p.add_argument("--draft-model", help="drafter checkpoint (folder or repo id)")
     p.add_argument("--draft-kind", help="drafter kind (detected from the drafter's config.json; required for model-free kinds such as ngram)")
     p.add_argument("--prompts", default="tiny", help="prompt set: tiny, mtbench, humaneval, or a .txt (one prompt a line) / .jsonl file")

@@ -19,7 +19,7 @@ class CLIError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m")
+    p.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
     p.add_argument("--draft-model", help="drafter: local folder or Hugging Face repo id")
     p.add_argument("--draft-kind", help="drafter kind (detected from the drafter's config.json when omitted)")
     p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1")

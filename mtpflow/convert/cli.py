@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--package",
         metavar="NAME",
-        help="packaged GGUF shipped in a PyPI wheel (smollm2-135m, gemma3-270m)",
+        help="packaged GGUF shipped in PyPI wheels (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)",
     )
     parser.add_argument(
         "--out",
@@ -55,10 +55,14 @@ def run(args: argparse.Namespace) -> int:
         find_packaged_gguf,
         load_gguf_cached,
     )
+    from mtpflow.convert.packaged import CHUNKED_GGUFS, find_chunked_gguf
 
     start = time.perf_counter()
     try:
-        src = find_packaged_gguf(args.package) if args.package else Path(args.gguf)
+        if args.package in CHUNKED_GGUFS:
+            src = find_chunked_gguf(args.package)
+        else:
+            src = find_packaged_gguf(args.package) if args.package else Path(args.gguf)
         if args.out:
             out = convert_gguf(src, args.out, dtype=args.dtype)
         else:

@@ -86,6 +86,9 @@ class TrainConfig:
     init: str = "identity"
     #: a data spec whose tokens also rank the draft vocabulary (``draft_vocab_size``)
     vocab_data: str | None = None
+    #: warm start: a trained drafter folder (or packaged drafter name) whose config, weights and
+    #: draft vocabulary the run starts from (a fresh optimiser and schedule); replaces ``init``
+    init_from: str | None = None
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -313,6 +316,28 @@ def _load_tokenizer(target):
     return load_tok(p)
 
 
+def _warm_start(target, init_from: str, drafter_config) -> GenericAssistantModel:
+    """The drafter in ``init_from`` (folder or packaged name), in float32, for further training."""
+    from ..drafters.mtpflow_assistant.drafter import load_model
+    from ..engine import resolve_model
+
+    if drafter_config is not None:
+        raise ValueError("--init-from takes the drafter config from that folder's config.json; drop --drafter-config")
+    path = resolve_model(str(init_from))
+    if read_json_config(path).get("model_type") != "mtpflow_assistant":
+        raise ValueError(f"--init-from {init_from}: not an mtpflow_assistant drafter folder (config.json model_type)")
+    model = load_model(path, target, dtype="float32")
+    model.config["torch_dtype"] = "float32"  # trained (and saved, unless --save-dtype) in float32
+    return model
+
+
+def read_json_config(path: Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{path}: no config.json (pass a drafter folder)")
+    return json.loads(f.read_text())
+
+
 def resolve_drafter_config(target, drafter_config) -> dict:
     """``drafter_config``: ``None`` (defaults), a path to a JSON file, a full
     config dict (``model_type`` set) or a dict of :func:`make_config` options."""
@@ -390,12 +415,15 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = _load_target(target)
-    dcfg = resolve_drafter_config(target, drafter_config)
-
     mx.random.seed(cfg.seed)
-    model = GenericAssistantModel(dcfg, target)
-    if cfg.init == "identity":
-        identity_init(model)
+    if cfg.init_from:
+        model = _warm_start(target, cfg.init_from, drafter_config)
+        dcfg = model.config
+    else:
+        dcfg = resolve_drafter_config(target, drafter_config)
+        model = GenericAssistantModel(dcfg, target)
+        if cfg.init == "identity":
+            identity_init(model)
     mx.eval(model.parameters())
     feats = None
     distill = None
@@ -412,7 +440,7 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     elif examples is None:
         tok = _load_tokenizer(target)
         examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
-    if model.has_draft_vocab:
+    if model.has_draft_vocab and not cfg.init_from:  # a warm start keeps its draft vocabulary
         K = model.draft_vocab.shape[0]
         extra = None
         if cfg.vocab_data:
@@ -511,6 +539,9 @@ def add_train_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--init", choices=["identity", "random"], default=d.init,
                    help="drafter initialisation (identity: h' starts as the target's hidden state)")
+    p.add_argument("--init-from", default=None,
+                   help="warm start from a trained drafter folder or packaged drafter name (its config, weights and draft "
+                        "vocabulary; fresh optimiser and schedule), e.g. to continue training on more data")
     p.add_argument("--vocab-data", default=None,
                    help="data spec whose tokens also rank the draft vocabulary (e.g. sharegpt:6000); needs draft_vocab_size")
     p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights)
@@ -535,7 +566,7 @@ def run_train(args) -> int:
         step_weights=args.step_weights, decay=args.decay, targets=args.targets, seed=args.seed,
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
-        distill_time_s=args.distill_time, init=args.init, vocab_data=args.vocab_data,
+        distill_time_s=args.distill_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
