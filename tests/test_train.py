@@ -144,3 +144,29 @@ def test_warm_start_continues_from_a_trained_drafter(trained, target, examples, 
         train(target, DRAFTER, "selfgen", tmp_path / "x", examples=examples, steps=1, init_from=str(out), **FAST)
     with pytest.raises(ValueError, match="not an mtpflow_assistant drafter"):
         train(target, None, "selfgen", tmp_path / "y", examples=examples, steps=1, init_from=str(PAIR_E), **FAST)
+
+
+def test_offline_eval_replays_the_engine(trained, target, examples, tmp_path):
+    """Offline tau (cached target answers, unrolled drafter, replayed rounds) equals the engine's."""
+    from mtpflow.train.eval import PromptError, _round_counts, evaluate, offline_evaluate
+
+    out, *_ = trained
+    prompts = [e.tokens[:6].tolist() for e in examples[:6]]
+    live = evaluate(PAIR_E, out, prompts, block_size=4, max_tokens=20)
+    off = offline_evaluate(PAIR_E, out, prompts, block_size=4, max_tokens=20, features_dir=tmp_path / "f")
+    assert off["tokens"] == live["tokens"]
+    assert off["rounds"] == live["rounds"], (off, live)
+    assert off["tau"] == live["tau"]
+    assert off["acceptance_per_position"] == live["acceptance_per_position"]
+    again = offline_evaluate(PAIR_E, out, prompts, block_size=4, max_tokens=20, features_dir=tmp_path / "f")
+    assert again["tau"] == off["tau"] and again["collect_s"] < off["collect_s"]  # answers read from the cache
+    # the replay itself: bonus at 2, drafts right twice then wrong, then the last token
+    seq = np.array([5, 6, 7, 8, 9, 10, 11, 12])
+    pred = np.full((3, 8), -1)
+    pred[0, 1], pred[1, 1], pred[2, 1] = 8, 9, 0  # round 1 (bonus x_2): accepts 8, 9 -> emits 3, next bonus x_5
+    pred[0, 4], pred[1, 4] = 11, 12  # round 2 (bonus x_5): two tokens left, so one draft (accepted) + the bonus
+    rounds, emitted, drafted, accepted, reached = _round_counts(pred, seq, 2, 3)
+    assert (rounds, emitted) == (2, 5)
+    assert drafted.tolist() == [2, 1, 1] and accepted.tolist() == [2, 1, 0] and reached.tolist() == [2, 1, 1]
+    with pytest.raises(PromptError, match="mtpflow_assistant"):
+        offline_evaluate(PAIR_E, FIXTURES / "pair_e" / "drafter", prompts, block_size=4, max_tokens=4)

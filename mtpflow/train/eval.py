@@ -23,6 +23,8 @@ from __future__ import annotations
 import gzip
 import json
 import time
+
+import numpy as np
 from importlib import util as import_util
 from pathlib import Path
 
@@ -107,6 +109,23 @@ def _session(target, drafter, block_size: int, dtype: str, log):
     return load_session(load_config(overrides=ov), log=log)
 
 
+def encode_prompts(tokenizer, prompts, chat: bool = True) -> list[list[int]]:
+    """Token ids of each prompt: strings through the chat template (when
+    ``chat`` and the tokenizer has one) or plain encoding; id lists as given."""
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise PromptError("this target has no tokenizer; pass token-id prompts")
+            if chat and getattr(tokenizer, "chat_template", None):
+                ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)))
+            else:
+                ids.append(list(tokenizer.encode(p)))
+        else:
+            ids.append(list(p))
+    return ids
+
+
 def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int = 128, chat: bool = True,
              batch_size: int = 1, dtype: str = "float32", out_dir=None, label: str | None = None) -> dict:
     """tau and acceptance per position of ``drafter`` on ``prompts``.
@@ -122,18 +141,7 @@ def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int =
     if isinstance(prompts, str):
         label = label or prompts
         prompts = load_prompts(prompts)
-    ids = []
-    for p in prompts:
-        if isinstance(p, str):
-            tok = session.tokenizer
-            if tok is None:
-                raise PromptError("this target has no tokenizer; pass token-id prompts")
-            if chat and getattr(tok, "chat_template", None):
-                ids.append(list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)))
-            else:
-                ids.append(list(tok.encode(p)))
-        else:
-            ids.append(list(p))
+    ids = encode_prompts(session.tokenizer, prompts, chat)
     session.reset_stats()
     t0 = time.perf_counter()
     n_tok = 0
@@ -168,6 +176,120 @@ def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int =
         "elapsed_s": round(elapsed, 2),
         "tokens_per_s": round(n_tok / elapsed, 2) if elapsed > 0 else None,
         "draft_kind": session.draft_kind,
+    }
+    if out_dir is not None:
+        write_report(result, out_dir)
+    return result
+
+
+def _round_counts(pred: np.ndarray, seq: np.ndarray, start: int, k: int):
+    """Greedy rounds along one answer. ``seq``: the row's tokens (prompt +
+    the target's greedy answer from ``start``); ``pred[i, t]``: the drafter's
+    token for ``x_{t+2+i}`` at query ``t`` along the true prefix. A round with
+    bonus at ``p`` (already emitted) drafts ``min(k, tokens left - 1)``
+    tokens, accepts the leading matches ``a`` and emits ``a + 1`` (the
+    accepted drafts and the next bonus, ``p + a + 1``), as the engine does.
+    Returns ``(rounds, emitted, drafted[k], accepted[k], reached[k])``."""
+    n = len(seq)
+    drafted, accepted, reached = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
+    rounds = emitted = 0
+    p = start  # the first answer token comes from the prefill, not from a round
+    while p + 1 < n:
+        kk = min(k, n - 2 - p)
+        a = 0
+        while a < kk and pred[a, p - 1] == seq[p + 1 + a]:
+            a += 1
+        drafted[:kk] += 1
+        accepted[:a] += 1
+        reached[: min(a + 1, kk)] += 1
+        rounds += 1
+        emitted += a + 1
+        p += a + 1
+    return rounds, emitted, drafted, accepted, reached
+
+
+def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int = 128, chat: bool = True,
+                     features_dir=None, collect_batch: int = 32, batch_size: int = 8, label: str | None = None,
+                     out_dir=None) -> dict:
+    """tau and acceptance per position of an ``mtpflow_assistant`` drafter
+    without running the engine: the target answers the prompts greedily once
+    (features cached in ``features_dir`` when given, so later drafters are
+    scored in seconds), then the drafter's unrolled predictions along each
+    answer (:func:`mtpflow.train.loop.unrolled_logp`) are replayed as greedy
+    rounds (:func:`_round_counts`).  Greedy acceptance depends only on the
+    target's greedy continuation and the drafter's predictions along its
+    accepted prefix, so this equals :func:`evaluate` up to float rounding of
+    the cached (float16) features; a row that ends at EOS does not draft past
+    its end here.  Same keys as :func:`evaluate`."""
+    import mlx.core as mx
+
+    from ..drafters.mtpflow_assistant.drafter import load_model
+    from ..engine import resolve_model
+    from ..targets.base import read_config
+    from . import features as feat_mod
+    from .loop import _load_target, _load_tokenizer, unrolled_logp
+
+    tgt = _load_target(target)
+    dpath = resolve_model(str(drafter))
+    if read_config(dpath).get("model_type") != "mtpflow_assistant":
+        raise PromptError(f"{drafter}: offline evaluation needs an mtpflow_assistant drafter; use evaluate (the engine)")
+    model = load_model(dpath, tgt, dtype="float32")
+    if isinstance(prompts, str):
+        label = label or prompts
+        prompts = load_prompts(prompts)
+    ids = encode_prompts(_load_tokenizer(tgt), prompts, chat)
+    t0 = time.perf_counter()
+    stops = sorted(tgt.eos_ids)
+    if features_dir is not None:
+        feat_mod.collect(tgt, ids, features_dir, max_new=max_tokens, batch_size=collect_batch, progress=False)
+        exs = feat_mod.load_features(features_dir)
+    else:
+        exs = []
+        for s in range(0, len(ids), collect_batch):
+            exs += feat_mod.generate_features(tgt, ids[s: s + collect_batch], max_tokens, stops)
+    t_collect = time.perf_counter() - t0
+    k = block_size - 1
+    rounds = emitted = 0
+    drafted, accepted, reached = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
+    n_tok = 0
+    for s in range(0, len(exs), batch_size):
+        idx = list(range(s, min(s + batch_size, len(exs))))
+        tp, (toks, _, _) = feat_mod.feature_batch(exs, idx, tgt, model, unroll=max(k, 1))
+        preds = []
+        for logp in unrolled_logp(model, tp, toks.shape[1], k):
+            pr = mx.argmax(logp, axis=-1)
+            preds.append(model.draft_vocab[pr] if model.has_draft_vocab else pr)
+        P = np.array(mx.stack(preds)) if preds else np.zeros((0, len(idx), toks.shape[1]), np.int32)
+        q0 = np.array(tp["qpos"][:, 0])
+        for r, i in enumerate(idx):
+            e = exs[i]
+            start = int(np.argmax(e.loss)) if e.loss.any() else len(e)
+            n_tok += len(e) - start
+            full = np.full((k, len(e)), -1, np.int64)  # predictions indexed by absolute query position
+            m = min(len(e) - int(q0[r]), P.shape[2])
+            full[:, int(q0[r]): int(q0[r]) + m] = P[:, r, :m]
+            out = _round_counts(full, e.tokens, start, k)
+            rounds += out[0]
+            emitted += out[1]
+            drafted += out[2]
+            accepted += out[3]
+            reached += out[4]
+    elapsed = time.perf_counter() - t0
+    result = {
+        "label": label,
+        "tau": round(emitted / rounds, 4) if rounds else None,
+        "acceptance_per_position": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "conditional_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
+        "acceptance_rate": round(float(accepted.sum() / drafted.sum()), 4) if drafted.sum() else 0.0,
+        "block_size": block_size,
+        "num_prompts": len(ids),
+        "max_tokens": max_tokens,
+        "tokens": n_tok,
+        "rounds": rounds,
+        "elapsed_s": round(elapsed, 2),
+        "collect_s": round(t_collect, 2),
+        "draft_kind": "assistant",
+        "mode": "offline",
     }
     if out_dir is not None:
         write_report(result, out_dir)
@@ -218,9 +340,22 @@ def add_eval_arguments(p) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--out", help="write eval.json and acceptance.png here")
+    p.add_argument("--offline", action="store_true",
+                   help="mtpflow_assistant drafters: score the drafter on the target's cached greedy answers instead of "
+                        "running the engine (same tau, float16 rounding aside; seconds per drafter once answers are cached)")
+    p.add_argument("--features", metavar="DIR",
+                   help="with --offline: cache the target's answers and features here (reused by later runs)")
 
 
 def run_eval(args) -> int:
+    if args.features and not args.offline:
+        raise SystemExit("mtpflow eval: --features needs --offline")
+    if args.offline:
+        result = offline_evaluate(args.target, args.draft_model, args.prompts, block_size=args.block_size,
+                                  max_tokens=args.max_tokens, chat=not args.no_chat, features_dir=args.features,
+                                  out_dir=args.out)
+        print(json.dumps(result))
+        return 0
     result = evaluate(args.target, args.draft_model, args.prompts, block_size=args.block_size, max_tokens=args.max_tokens,
                       chat=not args.no_chat, batch_size=args.batch_size, dtype=args.dtype, out_dir=args.out)
     print(json.dumps(result))

@@ -206,6 +206,25 @@ def choose_draft_vocab(examples, vocab_size: int, k: int, always=(), extra=None)
     return np.sort(top).astype(np.int32)
 
 
+def unrolled_logp(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
+    """The training-time test: yields, for ``i = 0 .. unroll-1``, the drafter's
+    log-probabilities ``[B, T, V']`` (over its head's vocabulary) of
+    ``x_{t+2+i}`` at every query position ``t``, with teacher-forced input
+    tokens and its own ``h'`` fed back, queries at the constant position
+    ``t + 1`` -- exactly what inference computes along an accepted prefix."""
+    types = set(model.layer_types)
+    kv = {t: tp["kv"][t] for t in types}
+    qpos = tp.get("qpos")
+    masks = train_masks({t: (tp["positions"][t], None) for t in types}, T, model.sliding_window, qpos)
+    offset = 1 if qpos is None else qpos[:, 0] + 1
+    h = tp["hidden"]
+    for i in range(unroll):
+        emb_in = _shift(tp["embed"], 1 + i)
+        z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, offset)
+        logits = model.head_logits(z).astype(mx.float32)
+        yield logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, weights, unroll: int, targets: str):
     """Weighted loss over ``unroll`` steps; returns ``(loss, per_step_loss
     [S], per_step_correct [S], per_step_count [S])``.
@@ -216,24 +235,13 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
     left out, :func:`mtpflow.train.features.feature_batch`); the K/V side is
     always whole."""
     B, T = tokens.shape
-    types = set(model.layer_types)
-    kv = {t: tp["kv"][t] for t in types}
     qpos = tp.get("qpos")
-    masks = train_masks({t: (tp["positions"][t], None) for t in types}, T, model.sliding_window, qpos)
-    if qpos is None:
-        tpos, offset = mx.arange(T, dtype=mx.int32)[None], 1
-    else:
-        tpos, offset = qpos, qpos[:, 0] + 1
+    tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
     tgt_logp = tp["label_logits"] - mx.logsumexp(tp["label_logits"], axis=-1, keepdims=True)
     sub = model.draft_vocab if model.has_draft_vocab else None
-    h = tp["hidden"]
     total = mx.array(0.0)
     losses, correct, counts = [], [], []
-    for i in range(unroll):
-        emb_in = _shift(tp["embed"], 1 + i)
-        z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, offset)
-        logits = model.head_logits(z).astype(mx.float32)
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for i, logp in enumerate(unrolled_logp(model, tp, T, unroll)):
         lab_logp = _shift(tgt_logp, 1 + i)  # target distribution of x_{t+2+i}
         valid = (tpos + 2 + i < lengths[:, None]) & _shift(loss_mask, 2 + i)
         vf = valid.astype(mx.float32)
