@@ -85,6 +85,12 @@ def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
     assert s1["complete"] and s1["examples"] == 4 and s1["loss_tokens"] == 24
     exs = load_features(tmp_path / "f")
     assert sorted(len(e) for e in exs) == sorted(len(p) + 6 for p in prompts)
+    # examples of one shard are views of one array per field, not each a copy of the shard's
+    # (session 10: per-example copies multiplied the memory by the shard size and hit OOM)
+    a, b = exs[0], exs[1]
+    assert a.hidden.base is not None and a.hidden.base is b.hidden.base
+    for t in a.kv:
+        assert a.kv[t][0].base is b.kv[t][0].base
     s2 = collect(target, prompts, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
     assert s2["examples"] == 0  # every shard was there already
     with pytest.raises(ValueError, match="other settings"):

@@ -137,7 +137,10 @@ def load_features(folder) -> list[FeatureExample]:
     meta = json.loads(meta_f.read_text())
     out = []
     for f in sorted(folder.glob("shard-*[0-9].npz")):
-        z = np.load(f)
+        # read each array once: ``NpzFile[key]`` reads it from disk anew on every access, and a
+        # slice of that copy would pin a whole shard's array per example
+        with np.load(f) as npz:
+            z = {k: npz[k] for k in npz.files}
         off = z["offsets"]
         for i in range(len(off) - 1):
             a, b = int(off[i]), int(off[i + 1])
