@@ -328,22 +328,16 @@ def _warm_start(target, init_from: str, drafter_config) -> GenericAssistantModel
     """The drafter in ``init_from`` (folder or packaged name), in float32, for further training."""
     from ..drafters.mtpflow_assistant.drafter import load_model
     from ..engine import resolve_model
+    from ..targets.base import read_config
 
     if drafter_config is not None:
         raise ValueError("--init-from takes the drafter config from that folder's config.json; drop --drafter-config")
     path = resolve_model(str(init_from))
-    if read_json_config(path).get("model_type") != "mtpflow_assistant":
+    if read_config(path).get("model_type") != "mtpflow_assistant":
         raise ValueError(f"--init-from {init_from}: not an mtpflow_assistant drafter folder (config.json model_type)")
     model = load_model(path, target, dtype="float32")
     model.config["torch_dtype"] = "float32"  # trained (and saved, unless --save-dtype) in float32
     return model
-
-
-def read_json_config(path: Path) -> dict:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{path}: no config.json (pass a drafter folder)")
-    return json.loads(f.read_text())
 
 
 def resolve_drafter_config(target, drafter_config) -> dict:
