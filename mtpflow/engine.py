@@ -114,22 +114,13 @@ def resolve_model(name: str, dtype: str = "float32") -> Path:
             raise LoadError(f"the packaged drafter {name} is missing from {d.parent}; reinstall mtpflow")
         return d
     from .convert.gguf import PACKAGED_GGUFS
+    from .convert.packaged import CHUNKED_GGUFS
 
-    if name in PACKAGED_GGUFS:
+    if name in PACKAGED_GGUFS or name in CHUNKED_GGUFS:
         from .convert.gguf import GGUFError, find_packaged_gguf, load_gguf_cached
 
         try:
             return load_gguf_cached(find_packaged_gguf(name), dtype=dtype)
-        except GGUFError as exc:
-            raise LoadError(str(exc)) from None
-    from .convert.packaged import CHUNKED_GGUFS
-
-    if name in CHUNKED_GGUFS:
-        from .convert.gguf import GGUFError, load_gguf_cached
-        from .convert.packaged import find_chunked_gguf
-
-        try:
-            return load_gguf_cached(find_chunked_gguf(name), dtype=dtype)
         except GGUFError as exc:
             raise LoadError(str(exc)) from None
     if name.startswith((".", "/", "~")) or name.count("/") != 1:

@@ -55,14 +55,10 @@ def run(args: argparse.Namespace) -> int:
         find_packaged_gguf,
         load_gguf_cached,
     )
-    from mtpflow.convert.packaged import CHUNKED_GGUFS, find_chunked_gguf
 
     start = time.perf_counter()
     try:
-        if args.package in CHUNKED_GGUFS:
-            src = find_chunked_gguf(args.package)
-        else:
-            src = find_packaged_gguf(args.package) if args.package else Path(args.gguf)
+        src = find_packaged_gguf(args.package) if args.package else Path(args.gguf)
         if args.out:
             out = convert_gguf(src, args.out, dtype=args.dtype)
         else:

@@ -203,11 +203,16 @@ def concatenate_atomically(parts: list[Path], target: Path, check=None) -> None:
 def find_packaged_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
     """Path of the GGUF shipped by the wheel registered under ``name``.
 
-    Known names are the keys of :data:`PACKAGED_GGUFS`.  Models split over
+    Known names are the keys of :data:`PACKAGED_GGUFS` and of
+    :data:`mtpflow.convert.packaged.CHUNKED_GGUFS`.  Models split over
     several chunk wheels are concatenated once into ``<cache_dir>/packaged``.
     Raises :class:`GGUFError` with the exact ``pip install`` line when the
     wheel is missing.
     """
+    from .packaged import CHUNKED_GGUFS, find_chunked_gguf
+
+    if name in CHUNKED_GGUFS:  # chunk wheels with opaque chunk names (mtpflow.convert.packaged)
+        return find_chunked_gguf(name, cache_dir)
     spec = PACKAGED_GGUFS.get(name)
     if spec is None:
         raise GGUFError(

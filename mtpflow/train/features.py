@@ -270,12 +270,10 @@ def distill_prompts(spec: str, tokenizer, max_prompt_len: int = 192, min_prompt_
 
     if tokenizer is None:
         raise DataError("distill data needs the target's tokenizer (tokenizer.json in the target folder)")
-    templ = bool(getattr(tokenizer, "chat_template", None))
+    from .eval import encode_prompts
 
-    def enc(text: str):  # as mtpflow eval and generate --chat-template encode a prompt
-        if templ:
-            return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        return list(tokenizer.encode(text))
+    def enc(text: str):  # as mtpflow eval encodes a prompt (chat template when there is one)
+        return encode_prompts(tokenizer, [text], chat=True)[0]
 
     name, limit = _split_limit(spec)
     if name == "sharegpt":
