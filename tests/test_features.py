@@ -95,6 +95,9 @@ def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
     assert s2["examples"] == 0  # every shard was there already
     with pytest.raises(ValueError, match="other settings"):
         collect(target, prompts, tmp_path / "f", max_new=7, batch_size=2, progress=False)
+    other = [p[::-1] for p in prompts]  # same count and settings, other prompts: not the cached answers
+    with pytest.raises(ValueError, match="other settings or prompts"):
+        collect(target, other, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
     part = collect(target, prompts, tmp_path / "g", max_new=6, batch_size=2, progress=False, max_time_s=0)
     assert not part["complete"] and part["examples"] == 0
     with pytest.raises(FileNotFoundError, match="collect features first"):

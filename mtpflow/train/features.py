@@ -25,6 +25,7 @@ per store-layer type (positions ``0..n-1`` in order).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -161,12 +162,14 @@ def collect(target, prompts: list[list[int]], folder, *, max_new: int = 128, bat
     stop_ids = sorted(target.eos_ids if stop_ids is None else stop_ids)
     meta = {"target": str(getattr(target, "path", "")), "hidden_size": target.hidden_size, "max_new": max_new,
             "num_prompts": len(prompts), "batch_size": batch_size, "stop_ids": stop_ids,
-            "kv": {t: None for t in sorted(target.store_layers)}}
+            "kv": {t: None for t in sorted(target.store_layers)},
+            "prompts_sha256": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()}
     meta_f = folder / "meta.json"
     if meta_f.is_file():
         old = json.loads(meta_f.read_text())
-        if {k: old.get(k) for k in ("max_new", "num_prompts", "batch_size")} != {k: meta[k] for k in ("max_new", "num_prompts", "batch_size")}:
-            raise ValueError(f"{folder} holds features collected with other settings ({old}); use a new folder")
+        keys = ["max_new", "num_prompts", "batch_size"] + (["prompts_sha256"] if "prompts_sha256" in old else [])
+        if {k: old.get(k) for k in keys} != {k: meta[k] for k in keys}:
+            raise ValueError(f"{folder} holds features collected with other settings or prompts ({old}); use a new folder")
     meta_f.write_text(json.dumps(meta, indent=2))
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
