@@ -96,7 +96,7 @@ def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         collect(target, prompts, tmp_path / "f", max_new=7, batch_size=2, progress=False)
     other = [p[::-1] for p in prompts]  # same count and settings, other prompts: not the cached answers
-    with pytest.raises(ValueError, match="other settings or prompts"):
+    with pytest.raises(ValueError, match="other settings or data"):
         collect(target, other, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
     part = collect(target, prompts, tmp_path / "g", max_new=6, batch_size=2, progress=False, max_time_s=0)
     assert not part["complete"] and part["examples"] == 0
@@ -128,3 +128,95 @@ def test_training_on_distilled_features_lowers_the_loss(target, tmp_path):
     first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
     assert last < 0.7 * first, (first, last)
     assert (out / "features" / "meta.json").is_file()
+
+
+# ------------------------------------------------------------------------------ cache: (teacher-forced)
+@pytest.fixture(scope="module")
+def texts(target):
+    from mtpflow.train.data import Example
+
+    rng = np.random.default_rng(5)
+    out = []
+    for n, cut in ((12, 4), (7, 2), (16, 9), (5, 1)):
+        loss = np.zeros(n, bool)
+        loss[cut:] = True
+        out.append(Example(rng.integers(4, target.vocab_size, size=n).astype(np.int32), loss))
+    return out
+
+
+def test_text_features_are_a_fresh_forward_with_the_targets_own_argmax(target, texts):
+    from mtpflow.train.features import text_features
+
+    got = text_features(target, texts)  # rows of different lengths, left-padded together
+    for ex, e in zip(texts, got):
+        assert e.tokens.tolist() == ex.tokens.tolist() and e.loss.tolist() == ex.loss.tolist()
+        ref = target_pass(target, mx.array(ex.tokens[None]))
+        H = np.array(ref["hidden"][0])
+        assert np.abs(H - e.hidden.astype(np.float32)).max() <= 2e-3 * np.abs(H).max()
+        for t, (k, v) in ref["kv"].items():
+            want = np.array(k[0])
+            assert e.kv[t][0].shape == want.shape
+            assert np.abs(e.kv[t][0].astype(np.float32) - want).max() <= 2e-3 * np.abs(want).max()
+        am = np.array(ref["argmax"][0])
+        assert e.argmax.tolist() == am.tolist()
+        # random text is not the target's greedy output: the stored argmax is not the next token
+        assert (am[:-1] != ex.tokens[1:]).any()
+
+
+def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts, tmp_path):
+    from mtpflow.train.features import collect_text
+
+    s = collect_text(target, texts, tmp_path / "c", batch_size=2, progress=False)
+    assert s["complete"] and s["examples"] == 4 and s["loss_tokens"] == sum(int(e.loss.sum()) for e in texts)
+    feats = load_features(tmp_path / "c")
+    assert all(f.argmax is not None for f in feats)  # the argmax went through the shard
+    cfg = resolve_drafter_config(target, DRAFTER)
+    mx.random.seed(0)
+    model = GenericAssistantModel(cfg, target)
+    mx.eval(model.parameters())
+    idx = [0, 1, 2, 3]
+    tp, (tk, lm, ln) = feature_batch(feats, idx, target, model, unroll=2)
+    # every real position's label is the target's argmax (a live pass), crop offset included
+    lens, q0, am = np.array(ln), np.array(tp["qpos"])[:, 0], np.array(tp["argmax"])
+    for r in range(4):
+        want = np.array(target_pass(target, mx.array(feats[idx[r]].tokens[None]))["argmax"])[0, q0[r]:]
+        assert am[r, : lens[r] - q0[r]].tolist() == want.tolist()
+    w = mx.array([0.6, 0.4])
+    a = drafter_loss(model, tp, tk, lm, ln, w, 2, "hard")
+    full, (tk2, lm2, ln2) = feature_batch(feats, idx, target, model)
+    c = drafter_loss(model, target_pass(target, tk2, model), tk2, lm2, ln2, w, 2, "hard")
+    for x, y in zip(a, c):  # hard targets use the argmax: cached == live
+        assert np.allclose(np.array(x), np.array(y), rtol=2e-2, atol=2e-2), (x, y)
+    # resumable, and refuses other examples with the same count
+    assert collect_text(target, texts, tmp_path / "c", batch_size=2, progress=False)["examples"] == 0
+    other = [type(e)(e.tokens[::-1].copy(), e.loss) for e in texts]
+    with pytest.raises(ValueError, match="other settings or data"):
+        collect_text(target, other, tmp_path / "c", batch_size=2, progress=False)
+
+
+def test_training_on_distilled_and_cached_data_together(target, tmp_path):
+    f = tmp_path / "p.txt"
+    rng = np.random.default_rng(1)
+    words = (FIXTURES / "prompt_short.txt").read_text().split()
+    f.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(8)) + "\n")
+    g = tmp_path / "chat.jsonl"
+    g.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": " ".join(rng.choice(words, size=4))},
+                                                    {"role": "assistant", "content": " ".join(rng.choice(words, size=12))}]})
+                           for _ in range(8)) + "\n")
+    out = tmp_path / "d"
+    summary = train(target, DRAFTER, f"distill:{f},cache:{g}", out, steps=24, batch_size=4, unroll=2, warmup=2,
+                    lr=3e-3, progress=False, checkpoint_every=100, distill_tokens=12, distill_batch=8, max_len=64)
+    assert summary["distill"]["examples"] == 8 and summary["cache"]["examples"] == 8 and summary["examples"] == 16
+    assert (out / "features-cache" / "meta.json").is_file() and (out / "features" / "meta.json").is_file()
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    assert last < 0.8 * first, (first, last)
+
+
+def test_feature_data_specs_are_checked(target, tmp_path):
+    from mtpflow.train.data import DataError
+
+    with pytest.raises(DataError, match="mixes cached-feature parts"):
+        train(target, DRAFTER, "distill:sharegpt:4,sharegpt:4", tmp_path / "x", steps=1, progress=False)
+    with pytest.raises(DataError, match="at most one"):
+        train(target, DRAFTER, "cache:a.txt,cache:b.txt", tmp_path / "y", steps=1, progress=False)

@@ -82,6 +82,9 @@ class TrainConfig:
     distill_tokens: int = 128
     distill_batch: int = 32
     distill_time_s: float | None = None
+    #: ``cache:`` data: rows per teacher-forced target forward, time limit of the feature collection
+    cache_batch: int = 8
+    cache_time_s: float | None = None
     #: drafter initialisation: "identity" (h' starts as the target's hidden state) or "random"
     init: str = "identity"
     #: a data spec whose tokens also rank the draft vocabulary (``draft_vocab_size``)
@@ -404,6 +407,23 @@ def load_checkpoint(ckpt: Path, model, opt) -> dict | None:
 
 
 # ------------------------------------------------------------------------------ train
+def _feature_parts(spec: str) -> list[tuple[str, str]] | None:
+    """``[(kind, spec)]`` of a data spec whose parts are cached-feature data
+    (``distill:SPEC``, ``cache:SPEC``); ``None`` for on-the-fly data."""
+    parts = [q.strip() for q in spec.split(",") if q.strip()]
+    kinds = [q.partition(":")[0] for q in parts]
+    feat = [k in ("distill", "cache") for k in kinds]
+    if not any(feat):
+        return None
+    if not all(feat):
+        raise data_mod.DataError(f"data spec {spec!r} mixes cached-feature parts (distill:, cache:) with other data; "
+                                 "write the other parts as cache:SPEC so their features are cached too")
+    if len(set(kinds)) != len(kinds):
+        raise data_mod.DataError(f"data spec {spec!r}: at most one distill: and one cache: part (each has one "
+                                 "features folder); join their data in one file instead")
+    return [(k, q.partition(":")[2]) for k, q in zip(kinds, parts)]
+
+
 def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None = None, examples=None, **overrides) -> dict:
     """Train a generic assistant drafter for ``target`` (path, repo id or a
     loaded adapter) and write a loadable drafter folder to ``out_dir``.
@@ -428,15 +448,30 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
             identity_init(model)
     mx.eval(model.parameters())
     feats = None
-    distill = None
-    if examples is None and isinstance(data_spec, str) and data_spec.startswith("distill:"):
+    distill = cache_summary = None
+    feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
+    if feature_parts:
         from . import features as feat_mod
 
-        prompts = feat_mod.distill_prompts(data_spec[len("distill:"):], _load_tokenizer(target),
-                                           max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
-        distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
-                                   batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s, progress=cfg.progress)
-        feats = feat_mod.load_features(out / "features")
+        feats = []
+        for kind, spec in feature_parts:
+            if kind == "distill":
+                prompts = feat_mod.distill_prompts(spec, _load_tokenizer(target),
+                                                   max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
+                distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
+                                           batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
+                                           progress=cfg.progress)
+                feats += feat_mod.load_features(out / "features")
+            else:
+                texts = data_mod.load_examples(spec, _load_tokenizer(target), max_len=cfg.max_len, target=target,
+                                               seed=cfg.seed)
+                cached = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
+                                               max_time_s=cfg.cache_time_s, progress=cfg.progress)
+                feats += feat_mod.load_features(out / "features-cache")
+                cache_summary = cached
+        if not feats:
+            raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
+                                     "rerun with a longer --distill-time / --cache-time")
         feature_batch = feat_mod.feature_batch
         examples = [data_mod.Example(f.tokens, f.loss) for f in feats]
     elif examples is None:
@@ -520,6 +555,8 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     }
     if distill is not None:
         summary["distill"] = distill
+    if cache_summary is not None:
+        summary["cache"] = cache_summary
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -531,7 +568,9 @@ def add_train_arguments(p) -> None:
     p.add_argument("--drafter-config", help="drafter config: a JSON file (full config, or make_config options such as "
                    '{"num_hidden_layers": 2, "draft_vocab_size": 8192}) or inline JSON; default: 2 layers at the target width')
     p.add_argument("--data", required=True, help="data spec: sharegpt[:N], FILE.jsonl[:N], FILE.json, FILE.txt, DIR, selfgen:N[:L]; comma-separated; "
-                   "or distill:PROMPTS (distill:sharegpt:N): the target answers the prompts greedily and its features are cached in OUT/features")
+                   "or distill:PROMPTS (distill:sharegpt:N): the target answers the prompts greedily and its features are cached in OUT/features; "
+                   "or cache:SPEC (cache:sharegpt:N): the data's own answers, the target's features cached once in OUT/features-cache; "
+                   "distill: and cache: combine (distill:sharegpt:4000,cache:sharegpt:3000)")
     p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint)")
     d = TrainConfig()
     for name in ("steps", "batch_size", "max_len", "unroll", "checkpoint_every", "seed"):
@@ -554,6 +593,9 @@ def add_train_arguments(p) -> None:
     p.add_argument("--distill-batch", type=int, default=d.distill_batch, help="distill: data: prompts per generation batch")
     p.add_argument("--distill-time", type=float, default=None,
                    help="distill: data: stop collecting after this many seconds and train on what was collected (rerun to add more)")
+    p.add_argument("--cache-batch", type=int, default=d.cache_batch, help="cache: data: rows per target forward")
+    p.add_argument("--cache-time", type=float, default=None,
+                   help="cache: data: stop collecting features after this many seconds and train on what was collected (rerun to add more)")
     p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--no-progress", action="store_true")
 
@@ -568,7 +610,7 @@ def run_train(args) -> int:
         step_weights=args.step_weights, decay=args.decay, targets=args.targets, seed=args.seed,
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
-        distill_time_s=args.distill_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
+        distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
