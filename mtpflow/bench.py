@@ -159,13 +159,12 @@ def load_prompt_texts(name: str) -> tuple[list[str], bool]:
 def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     if tokenizer is None:
         raise BenchError("the target has no tokenizer; the bench needs one to encode the prompts")
+    from .engine import encode_prompt
+
     out = []
     for t in texts:
-        if chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-        else:
-            ids = tokenizer.encode(t)
-        ids = list(ids)
+        # as mtpflow eval encodes a prompt: the chat template when the set asks for it and there is one
+        ids = encode_prompt(tokenizer, t, None if chat else False)
         if not ids:
             raise BenchError(f"prompt {t[:40]!r} encodes to no tokens")
         out.append(ids)

@@ -129,14 +129,13 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def _encode(session, text: str, chat: bool) -> list[int]:
-    tok = session.tokenizer
-    if tok is None:
+    from .engine import encode_prompt
+
+    if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
-    if chat:
-        if not getattr(tok, "chat_template", None):
-            raise CLIError("this tokenizer has no chat template; drop --chat-template")
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return list(tok.encode(text))
+    if chat and not getattr(session.tokenizer, "chat_template", None):
+        raise CLIError("this tokenizer has no chat template; drop --chat-template")
+    return encode_prompt(session.tokenizer, text, chat)
 
 
 def cmd_generate(args) -> int:

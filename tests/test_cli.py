@@ -271,3 +271,38 @@ def test_plugins_lists_builtins_as_json(capsys):
     assert {"stages", "drafters"} <= names
     drafters = next(e for e in entries if e["name"] == "drafters")
     assert "mtpflow_register_drafters" in drafters["hooks"]
+
+
+# --------------------------------------------------------------------------------------
+# prompt encoding (one helper for generate, eval and bench)
+# --------------------------------------------------------------------------------------
+class _Tok:
+    def __init__(self, template):
+        self.chat_template = template
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, msgs, add_generation_prompt):
+        assert add_generation_prompt and msgs == [{"role": "user", "content": msgs[0]["content"]}]
+        return [1] + [ord(c) for c in msgs[0]["content"]] + [2]
+
+
+def test_prompt_encoding_is_shared_and_explicit_about_the_template():
+    from mtpflow.bench import encode_prompts as bench_encode
+    from mtpflow.engine import encode_prompt
+    from mtpflow.train.eval import encode_prompts as eval_encode
+
+    chat, plain = _Tok("{{ messages }}"), _Tok(None)
+    assert encode_prompt(chat, "hi", True) == [1, 104, 105, 2]
+    assert encode_prompt(chat, "hi", None) == [1, 104, 105, 2]
+    assert encode_prompt(chat, "hi", False) == [104, 105]
+    assert encode_prompt(plain, "hi", None) == [104, 105]  # no template: plain text
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(plain, "hi", True)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        encode_prompt(None, "hi")
+    # eval and bench encode a prompt set the same way
+    for tok in (chat, plain):
+        for flag in (True, False):
+            assert bench_encode(tok, ["ab", "c"], flag) == eval_encode(tok, ["ab", "c"], flag)

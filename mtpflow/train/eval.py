@@ -112,15 +112,14 @@ def _session(target, drafter, block_size: int, dtype: str, log):
 def encode_prompts(tokenizer, prompts, chat: bool = True) -> list[list[int]]:
     """Token ids of each prompt: strings through the chat template (when
     ``chat`` and the tokenizer has one) or plain encoding; id lists as given."""
+    from ..engine import encode_prompt
+
     ids = []
     for p in prompts:
         if isinstance(p, str):
             if tokenizer is None:
                 raise PromptError("this target has no tokenizer; pass token-id prompts")
-            if chat and getattr(tokenizer, "chat_template", None):
-                ids.append(list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)))
-            else:
-                ids.append(list(tokenizer.encode(p)))
+            ids.append(encode_prompt(tokenizer, p, None if chat else False))
         else:
             ids.append(list(p))
     return ids
