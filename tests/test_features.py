@@ -220,3 +220,8 @@ def test_feature_data_specs_are_checked(target, tmp_path):
         train(target, DRAFTER, "distill:sharegpt:4,sharegpt:4", tmp_path / "x", steps=1, progress=False)
     with pytest.raises(DataError, match="at most one"):
         train(target, DRAFTER, "cache:a.txt,cache:b.txt", tmp_path / "y", steps=1, progress=False)
+    g = tmp_path / "chat.jsonl"
+    g.write_text(json.dumps({"messages": [{"role": "user", "content": "beca daka"},
+                                          {"role": "assistant", "content": "doli bugi base dana"}]}) + "\n")
+    with pytest.raises(DataError, match="no features collected yet"):  # a zero time limit on an empty folder
+        train(target, DRAFTER, f"cache:{g}", tmp_path / "z", steps=1, progress=False, cache_time_s=0)
