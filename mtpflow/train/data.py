@@ -128,7 +128,7 @@ class Renderer:
         self.eos_id = eos_id
 
     def _encode(self, text: str):
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)  # long texts are cut to max_len below
         return np.asarray(enc["input_ids"], np.int32), enc["offset_mapping"]
 
     def render(self, msgs: list[dict]) -> Example | None:
