@@ -115,17 +115,27 @@ def test_distill_prompts_use_the_chat_template_or_plain_text(target, tmp_path):
         distill_prompts(str(f), tok, max_prompt_len=1)
 
 
+def _words():
+    return (FIXTURES / "prompt_short.txt").read_text().split()
+
+
+def _prompt_file(path, n: int, rng):
+    path.write_text("\n".join(" ".join(rng.choice(_words(), size=6)) for _ in range(n)) + "\n")
+    return path
+
+
+def _first_and_last_loss(out):
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    return np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+
+
 def test_training_on_distilled_features_lowers_the_loss(target, tmp_path):
-    f = tmp_path / "p.txt"
-    rng = np.random.default_rng(0)
-    words = (FIXTURES / "prompt_short.txt").read_text().split()
-    f.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(16)) + "\n")
+    f = _prompt_file(tmp_path / "p.txt", 16, np.random.default_rng(0))
     out = tmp_path / "d"
     summary = train(target, DRAFTER, f"distill:{f}", out, steps=24, batch_size=4, unroll=3, warmup=2, lr=3e-3,
                     progress=False, checkpoint_every=100, distill_tokens=16, distill_batch=8, max_len=64)
     assert summary["distill"]["examples"] == 16 and summary["examples"] == 16
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    first, last = _first_and_last_loss(out)
     assert last < 0.7 * first, (first, last)
     assert (out / "features" / "meta.json").is_file()
 
@@ -195,10 +205,9 @@ def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts,
 
 
 def test_training_on_distilled_and_cached_data_together(target, tmp_path):
-    f = tmp_path / "p.txt"
     rng = np.random.default_rng(1)
-    words = (FIXTURES / "prompt_short.txt").read_text().split()
-    f.write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(8)) + "\n")
+    f = _prompt_file(tmp_path / "p.txt", 8, rng)
+    words = _words()
     g = tmp_path / "chat.jsonl"
     g.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": " ".join(rng.choice(words, size=4))},
                                                     {"role": "assistant", "content": " ".join(rng.choice(words, size=12))}]})
@@ -208,8 +217,7 @@ def test_training_on_distilled_and_cached_data_together(target, tmp_path):
                     lr=3e-3, progress=False, checkpoint_every=100, distill_tokens=12, distill_batch=8, max_len=64)
     assert summary["distill"]["examples"] == 8 and summary["cache"]["examples"] == 8 and summary["examples"] == 16
     assert (out / "features-cache" / "meta.json").is_file() and (out / "features" / "meta.json").is_file()
-    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    first, last = _first_and_last_loss(out)
     assert last < 0.8 * first, (first, last)
 
 
