@@ -164,7 +164,7 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     out = []
     for t in texts:
         # as mtpflow eval encodes a prompt: the chat template when the set asks for it and there is one
-        ids = encode_prompt(tokenizer, t, None if chat else False)
+        ids = encode_prompt(tokenizer, t, chat)
         if not ids:
             raise BenchError(f"prompt {t[:40]!r} encodes to no tokens")
         out.append(ids)

@@ -262,17 +262,11 @@ def load_session(
 # --------------------------------------------------------------------------------------
 # generation
 # --------------------------------------------------------------------------------------
-def encode_prompt(tokenizer, text: str, chat: bool | None = None) -> list[int]:
-    """Token ids of one user prompt: rendered as a single user turn with the
-    generation prompt through the tokenizer's chat template (``chat=True``:
-    required; ``None``: when the tokenizer has one), or plainly encoded
-    (``chat=False``).  Raises ``ValueError`` with what to do instead."""
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer; pass token ids instead of text")
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if chat and not has:
-        raise ValueError("this tokenizer has no chat template; encode the prompt plainly (no chat template)")
-    if has and chat is not False:
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of one user prompt: with ``chat`` and a tokenizer that has a
+    chat template, rendered as a single user turn with the generation prompt;
+    otherwise plainly encoded."""
+    if chat and getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
     return list(tokenizer.encode(text))
 

@@ -288,20 +288,15 @@ class _Tok:
         return [1] + [ord(c) for c in msgs[0]["content"]] + [2]
 
 
-def test_prompt_encoding_is_shared_and_explicit_about_the_template():
+def test_prompt_encoding_is_shared_and_falls_back_to_plain_text():
     from mtpflow.bench import encode_prompts as bench_encode
     from mtpflow.engine import encode_prompt
     from mtpflow.train.eval import encode_prompts as eval_encode
 
     chat, plain = _Tok("{{ messages }}"), _Tok(None)
     assert encode_prompt(chat, "hi", True) == [1, 104, 105, 2]
-    assert encode_prompt(chat, "hi", None) == [1, 104, 105, 2]
     assert encode_prompt(chat, "hi", False) == [104, 105]
-    assert encode_prompt(plain, "hi", None) == [104, 105]  # no template: plain text
-    with pytest.raises(ValueError, match="no chat template"):
-        encode_prompt(plain, "hi", True)
-    with pytest.raises(ValueError, match="no tokenizer"):
-        encode_prompt(None, "hi")
+    assert encode_prompt(plain, "hi", True) == [104, 105]  # no template: plain text
     # eval and bench encode a prompt set the same way
     for tok in (chat, plain):
         for flag in (True, False):

@@ -119,7 +119,7 @@ def encode_prompts(tokenizer, prompts, chat: bool = True) -> list[list[int]]:
         if isinstance(p, str):
             if tokenizer is None:
                 raise PromptError("this target has no tokenizer; pass token-id prompts")
-            ids.append(encode_prompt(tokenizer, p, None if chat else False))
+            ids.append(encode_prompt(tokenizer, p, chat))
         else:
             ids.append(list(p))
     return ids

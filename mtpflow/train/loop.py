@@ -454,21 +454,20 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         from . import features as feat_mod
 
         feats = []
+        tok = _load_tokenizer(target)
         for kind, spec in feature_parts:
             if kind == "distill":
-                prompts = feat_mod.distill_prompts(spec, _load_tokenizer(target),
+                prompts = feat_mod.distill_prompts(spec, tok,
                                                    max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
                 distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
                                            batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
                                            progress=cfg.progress)
                 feats += feat_mod.load_features(out / "features")
             else:
-                texts = data_mod.load_examples(spec, _load_tokenizer(target), max_len=cfg.max_len, target=target,
-                                               seed=cfg.seed)
-                cached = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
-                                               max_time_s=cfg.cache_time_s, progress=cfg.progress)
+                texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
+                cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
+                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress)
                 feats += feat_mod.load_features(out / "features-cache")
-                cache_summary = cached
         if not feats:
             raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
                                      "rerun with a longer --distill-time / --cache-time")
