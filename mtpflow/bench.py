@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from .metrics import tau
+
 PROMPT_SETS = ("tiny", "mtbench", "humaneval")
 CHAT_SETS = ("mtbench",)
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_gemma4"
@@ -64,8 +66,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", "--model", dest="target",
                    help="target: model folder, Hugging Face repo id, or a packaged GGUF name "
                         "(smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b, ...); default: the built-in pair (smollm2-135m + its shipped drafter)")
-    p.add_argument("--draft-model", help="drafter checkpoint (folder or repo id)")
-    p.add_argument("--draft-kind", help="drafter kind (detected from the drafter's config.json; required for model-free kinds such as ngram)")
+    p.add_argument("--draft-model", help="drafter checkpoint (folder or repo id); default: none, or the built-in drafter with no --target")
+    p.add_argument("--draft-kind", help="drafter kind; required for model-free kinds such as ngram (default: detected from the drafter's config.json)")
     p.add_argument("--prompts", default="tiny", help="prompt set: tiny, mtbench, humaneval, or a .txt (one prompt a line) / .jsonl file")
     p.add_argument("--num-prompts", type=int, help="use the first N prompts of the set (default: all)")
     p.add_argument("--block-sizes", type=_int_list, default=[1, 2, 4, 6], help="comma-separated block sizes (drafts + 1)")
@@ -76,8 +78,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out", help="output folder (bench.json, *.png)")
     p.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
                    help="block policy; with adaptive each block size K is the largest size the policy may pick")
-    p.add_argument("--mlx-lm-draft-model", help="also run mlx-lm's own speculative decoding with this draft model (folder, repo id or packaged GGUF name)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--mlx-lm-draft-model", help="also run mlx-lm's own speculative decoding with this draft model (folder, repo id or packaged GGUF name; default: none)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="weights dtype")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="apply the target's chat template: auto = for chat sets (mtbench) when the tokenizer has one")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore EOS so all variants emit max_tokens)")
@@ -85,6 +87,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")
     p.add_argument("--no-null", action="store_true", help="skip the mtpflow null-drafter variant")
+    p.add_argument("--no-default", action="store_true",
+                   help="skip the default variant (the adaptive policy from the drafter's recommended block size, as `mtpflow generate` runs it)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -207,7 +211,7 @@ class RoundCollector:
         self.proposed: list[int] = []  # row-rounds that drafted > i tokens
         self.accepted: list[int] = []  # of which the draft at i was accepted
 
-    def info(self, event, **kw):
+    def debug(self, event, **kw):  # the engine's round events are DEBUG records
         if event != "round":
             return
         d, acc = kw.get("drafted", 0), kw.get("accepted", [])
@@ -375,15 +379,17 @@ class MTPFlowVariant(Variant):
         return {"tokens": tokens, "wall_s": wall, "rounds": st["rounds"], "row_rounds": s.stats.row_rounds, "stats": st}
 
 
-def _session_variant(base, block_size: int, policy: str, with_drafter: bool, max_batch: int, sync_timing: bool):
-    """A Session sharing ``base``'s target/drafter with its own config, sampler and policies."""
+def _session_variant(base, block_size: int, policy: str, with_drafter: bool, max_batch: int, sync_timing: bool,
+                     max_block_size: int | None = None):
+    """A Session sharing ``base``'s target/drafter with its own config, sampler and policies.
+    ``max_block_size``: the adaptive policy's ceiling (default: ``block_size``)."""
     import attrs
 
     from .metrics import SpecDecodingStats
 
     cfg = base.config
-    draft = attrs.evolve(cfg.draft, block_size=block_size, policy=policy,
-                         max_block_size=block_size if policy == "adaptive" else max(cfg.draft.max_block_size, block_size))
+    ceiling = max_block_size or (block_size if policy == "adaptive" else max(cfg.draft.max_block_size, block_size))
+    draft = attrs.evolve(cfg.draft, block_size=block_size, policy=policy, max_block_size=ceiling)
     cfg = attrs.evolve(cfg, draft=draft, batch=attrs.evolve(cfg.batch, max_batch_size=max_batch),
                        trace=attrs.evolve(cfg.trace, sync_timing=sync_timing, file=None))
     sc = cfg.sampling
@@ -479,6 +485,13 @@ def build_variants(args, session, prompts) -> list[Variant]:
         if not args.no_null:
             s = _session_variant(session, 1, "fixed", False, max_batch, args.sync_timing)
             variants.append(MTPFlowVariant(f"mtpflow-null b{b}", b, 1, "null", s, ignore_eos))
+        if session.drafter is not None and not args.no_default:
+            # what `mtpflow generate` runs when [draft] is left alone: the
+            # adaptive policy from the drafter's recommended block size
+            d = session.default_draft
+            s = _session_variant(session, d.block_size, d.policy, True, max_batch, args.sync_timing,
+                                 max_block_size=d.max_block_size)
+            variants.append(MTPFlowVariant(f"mtpflow-default b{b}", b, d.block_size, session.draft_kind, s, ignore_eos))
         if session.drafter is not None:
             for k in args.block_sizes:
                 s = _session_variant(session, k, args.policy, True, max_batch, args.sync_timing)
@@ -543,9 +556,13 @@ def _aggregate(v: Variant, base: Variant | None) -> dict:
     toks = sum(r["tokens"] for r in v.runs)
     if isinstance(v, MTPFlowVariant):
         stats = [r["stats"] for r in v.runs]
-        # tau as SpecDecodingStats: emitted per row-round (the prefill token is not a round)
-        emitted = sum(s["emitted_tokens"] for s in stats)
-        out["tau"] = emitted / row_rounds if row_rounds else 1.0
+        # tau as SpecDecodingStats (mtpflow.metrics.tau): produced per row-round
+        out["tau"] = tau(sum(s["produced_tokens"] for s in stats), row_rounds) or 1.0
+        sizes: dict[str, int] = {}
+        for st in stats:
+            for k, n in st["block_sizes"].items():
+                sizes[k] = sizes.get(k, 0) + n
+        out["block_sizes"] = dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))  # what the policy ran
         drafted = sum(s["draft_tokens"] for s in stats)
         out["acceptance_rate"] = sum(s["accepted_tokens"] for s in stats) / drafted if drafted else None
         d, ve, h = (sum(s[k] for s in stats) for k in ("draft_s", "verify_s", "host_s"))
@@ -564,7 +581,7 @@ def _aggregate(v: Variant, base: Variant | None) -> dict:
         out["rounds"] = rounds
         out["stats_last_repeat"] = stats[-1] if stats else None
     else:
-        out["tau"] = toks / row_rounds if row_rounds else 1.0
+        out["tau"] = tau(toks, row_rounds) or 1.0
         out["acceptance_rate"] = None
         out["time_split"] = None
         out["syncs_per_round"] = 1.0  # generate_step: one .item() per token
@@ -644,6 +661,10 @@ def run_bench(args) -> int:
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise BenchError("--repeats and --max-tokens must be >= 1, --warmup >= 0")
+    if not args.no_plots:
+        from ._extras import require
+
+        require("bench", "matplotlib")
     import mlx.core as mx
 
     from . import __version__
@@ -781,7 +802,7 @@ def _json_default(o):
 
 
 def format_table(result: dict) -> str:
-    rows = ["variant                     tok/s(med)   [min..max]       ratio   tau    acc    syncs  peakMB"]
+    rows = ["variant                     tok/s(med)   [min..max]       ratio   tau    acc    syncs  peakMB  blocks"]
     for v in result["variants"]:
         if "failed" in v:
             rows.append(f"{v['name']:<27} failed: {v['failed']}")
@@ -792,6 +813,7 @@ def format_table(result: dict) -> str:
         rows.append(
             f"{v['name']:<27} {t['median']:>9.1f}   [{t['min']:.1f}..{t['max']:.1f}]".ljust(58)
             + f" {ratio:>6}  {v['tau']:.2f}  {accr:>5}  {v['syncs_per_round'] or 0:.1f}  {v['peak_memory_bytes'] / 2**20:7.1f}"
+            + ("  " + " ".join(f"{k}×{n}" for k, n in v["block_sizes"].items()) if v.get("block_sizes") else "")
         )
     return "\n".join(rows)
 

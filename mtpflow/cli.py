@@ -18,68 +18,96 @@ class CLIError(Exception):
     pass
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help states its default: ``(default: X)`` is appended
+    unless the help text already says what the default is."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return h
+        d = action.default
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            shown = "off" if isinstance(action, argparse._StoreTrueAction) else "on"
+        elif d is None:
+            return h
+        elif isinstance(d, (list, tuple)):
+            shown = ",".join(str(x) for x in d)
+        else:
+            shown = str(d)
+        return f"{h} (default: {shown})" if h else f"(default: {shown})"
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
-    p.add_argument("--draft-model", help="drafter: local folder or Hugging Face repo id")
-    p.add_argument("--draft-kind", help="drafter kind (detected from the drafter's config.json when omitted)")
-    p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1")
-    p.add_argument("--config", help="TOML config file (flags override it)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default float32)")
+    p.add_argument("--model", help="target: local folder, Hugging Face repo id or packaged name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b); default: the built-in pair, smollm2-135m with its shipped drafter smollm2-135m-mtp")
+    p.add_argument("--draft-model", help="drafter: local folder, Hugging Face repo id or packaged drafter name (default: none, the target decodes alone; with no --model, the built-in drafter)")
+    p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model (default: detected from the drafter's config.json)")
+    p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1, fixed (default: the adaptive policy, starting at the drafter's recommended size, else 4)")
+    p.add_argument("--draft-policy", help="block-size policy: adaptive, fixed or a plugin's (default: fixed when --draft-block-size is given, else adaptive)")
+    p.add_argument("--config", help="TOML config file, or the name of a shipped config (default, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b); flags override it (default: none)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default: float32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="mtpflow", description="Multi-token-prediction speculative decoding on MLX.")
+    parser = argparse.ArgumentParser(prog="mtpflow", description="Multi-token-prediction speculative decoding on MLX.",
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--version", action="version", version=f"mtpflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text (speculative when a drafter is given)")
+    def add(name, **kw):
+        return sub.add_parser(name, formatter_class=DefaultsFormatter, **kw)
+
+    g = add("generate", help="generate text (speculative when a drafter is given)")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
-    src.add_argument("--prompts-file", help="file with one prompt per line (decoded as one batch)")
-    g.add_argument("--prompt-ids", help="comma-separated prompt token ids instead of text")
-    g.add_argument("--max-tokens", "-m", type=int, help="tokens to generate (default 256)")
-    g.add_argument("--temp", type=float, help="sampling temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--chat-template", action="store_true", default=None,
-                   help="wrap the prompt in the tokenizer's chat template (on by default for the built-in default model)")
-    g.add_argument("--no-chat-template", dest="chat_template", action="store_false", help="never wrap the prompt")
-    g.add_argument("--trace", help="write one JSON line per round to this file")
+    src.add_argument("--prompt", "-p", help=f"prompt text, '-' reads stdin (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompts-file", help="file with one prompt per line, decoded as one batch (default: none)")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids instead of text, never templated (default: none)")
+    g.add_argument("--system-prompt", help="system message for the chat template (default: none)")
+    g.add_argument("--max-tokens", "-m", type=int, help="tokens to generate (default: 256)")
+    g.add_argument("--temp", type=float, help="sampling temperature, 0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling, 1 = off (default: 1.0)")
+    g.add_argument("--top-k", type=int, help="top-k sampling, 0 = off (default: 0)")
+    g.add_argument("--min-p", type=float, help="min-p sampling, 0 = off (default: 0)")
+    g.add_argument("--seed", type=int, help="random seed, 0 <= seed < 2**63 (default: none, nondeterministic)")
+    g.add_argument("--chat-template", dest="chat_template", action="store_const", const=True, default=None,
+                   help="require the tokenizer's chat template (an error when it has none; default: used whenever the tokenizer has one)")
+    g.add_argument("--ignore-chat-template", "--no-chat-template", dest="chat_template", action="store_const", const=False,
+                   help="encode the prompt as plain text, never through the chat template (default: off)")
+    g.add_argument("--trace", help="write one JSON line per round to this file (default: none)")
+    g.add_argument("--verbose", "-v", action="store_true", help="print every round's event to stderr")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
 
-    sub.add_parser("plugins", help="list installed plugins as JSON")
+    add("plugins", help="list installed plugins and what they registered, as JSON")
 
-    d = sub.add_parser("doctor", help="report BLAS, device and versions")
+    d = add("doctor", help="report BLAS, device and versions")
     from .doctor import add_doctor_arguments
 
     add_doctor_arguments(d)
 
-    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API with speculative decoding")
+    s = add("serve", help="serve an OpenAI-compatible HTTP API with speculative decoding")
     from .server import add_serve_arguments
 
     add_serve_arguments(s)
 
-    b = sub.add_parser("bench", help="benchmark speculative decoding side by side with plain mlx-lm")
+    b = add("bench", help="benchmark speculative decoding side by side with plain mlx-lm")
     from .bench import add_bench_arguments
 
     add_bench_arguments(b)
 
-    t = sub.add_parser("train", help="train a KV-sharing assistant drafter against a frozen target")
+    t = add("train", help="train a KV-sharing assistant drafter against a frozen target")
     from .train.loop import add_train_arguments
 
     add_train_arguments(t)
 
-    e = sub.add_parser("eval", help="measure a drafter's tau and acceptance per position")
+    e = add("eval", help="measure a drafter's tau and acceptance per position")
     from .train.eval import add_eval_arguments
 
     add_eval_arguments(e)
 
-    c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model folder")
+    c = add("convert", help="convert a GGUF file into an mlx-lm model folder")
     try:
         from .convert.cli import add_arguments as add_convert_arguments
 
@@ -94,7 +122,7 @@ def _config_from_args(args):
 
     overrides = {
         "model": {"model": args.model, "draft_model": args.draft_model, "draft_kind": args.draft_kind, "dtype": args.dtype},
-        "draft": {"block_size": args.draft_block_size},
+        "draft": {"block_size": args.draft_block_size, "policy": getattr(args, "draft_policy", None)},
     }
     if hasattr(args, "temp"):
         overrides["sampling"] = {
@@ -105,62 +133,61 @@ def _config_from_args(args):
     return load_config(args.config, overrides)
 
 
-def _trace_logger(path: str):
-    """A structlog logger writing JSON lines to ``path`` (no global configure)."""
-    import structlog
-
-    fh = open(path, "a", buffering=1)  # closed by cmd_generate
-    return fh, structlog.wrap_logger(
-        structlog.WriteLogger(fh),
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), structlog.processors.JSONRenderer()],
-    )
-
-
-def _quiet_logger():
-    """A logger whose info() is a no-op (no rendering cost per round)."""
-    import logging
-
-    import structlog
-
-    return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-
-
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-def _encode(session, text: str, chat: bool) -> list[int]:
+def _encode(session, text: str, chat: bool | None, system: str | None) -> list[int]:
+    """``chat``: ``None`` = the chat template when the tokenizer has one (as
+    ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text."""
     from .engine import encode_prompt
 
     if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
-    if chat and not getattr(session.tokenizer, "chat_template", None):
+    has = bool(getattr(session.tokenizer, "chat_template", None))
+    if chat and not has:
         raise CLIError("this tokenizer has no chat template; drop --chat-template")
-    return encode_prompt(session.tokenizer, text, chat)
+    if system is not None and not has:
+        raise CLIError("--system-prompt needs a chat template, and this tokenizer has none")
+    if chat is False and system is not None:
+        raise CLIError("--system-prompt needs the chat template; drop --ignore-chat-template")
+    return encode_prompt(session.tokenizer, text, chat is not False, system=system)
 
 
 def cmd_generate(args) -> int:
+    import logging
+
+    from .logs import enable_console, file_logger, null_logger, round_logger
+
     cfg = _config_from_args(args)
-    trace_fh, log = _trace_logger(cfg.trace.file) if cfg.trace.file else (None, _quiet_logger())
+    if cfg.trace.file:
+        trace_fh = open(cfg.trace.file, "a", buffering=1)
+        log = file_logger(trace_fh)
+    else:
+        trace_fh = None
+        log = round_logger() if args.verbose else null_logger()
+    handler = enable_console(logging.DEBUG) if args.verbose else None
     try:
         return _generate(args, cfg, log)
     finally:
         if trace_fh is not None:
             trace_fh.close()
+        if handler is not None:
+            logging.getLogger("mtpflow").removeHandler(handler)
 
 
 def _generate(args, cfg, log) -> int:
     import time
 
     from .engine import generate_stream, load_session, make_request
+    from .metrics import format_stats
 
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise CLIError(f"--seed must be in [0, 2**63) (got {args.seed})")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         session = load_session(cfg, log=log)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    builtin = cfg.model.model is None  # the built-in default: an instruct model, chat template on
-    if args.chat_template is None:
-        args.chat_template = builtin
 
     if args.prompt_ids:
         try:
@@ -171,12 +198,12 @@ def _generate(args, cfg, log) -> int:
         lines = [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
         if not lines:
             raise CLIError(f"{args.prompts_file} holds no prompt")
-        prompts = [_encode(session, ln, args.chat_template) for ln in lines]
+        prompts = [_encode(session, ln, args.chat_template, args.system_prompt) for ln in lines]
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if text == "-":
             text = sys.stdin.read()
-        prompts = [_encode(session, text, args.chat_template)]
+        prompts = [_encode(session, text, args.chat_template, args.system_prompt)]
     vocab = session.target.vocab_size
     for p in prompts:
         if not p:
@@ -202,11 +229,13 @@ def _generate(args, cfg, log) -> int:
     elapsed = time.perf_counter() - t0
     stats = session.stats.as_dict()
     ntok = sum(len(v) for v in outs.values())
+    policy = session.config.draft.policy if session.drafter is not None else None
     stats.update(
         elapsed_s=round(elapsed, 4),
         tokens_per_s=round(ntok / elapsed, 2) if elapsed > 0 else None,
         draft_kind=session.draft_kind,
-        block_size=cfg.draft.block_size if session.drafter is not None else 1,
+        block_size=session.config.draft.block_size if session.drafter is not None else 1,
+        block_policy=policy,
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:
@@ -223,10 +252,7 @@ def _generate(args, cfg, log) -> int:
         else:
             for r in reqs:
                 print(decode(outs[r.id]) if session.tokenizer is not None else outs[r.id])
-        print(
-            f"[{ntok} tokens, {stats['tokens_per_s']} tok/s, tau {stats['tau']}, acceptance {stats['acceptance_rate']}]",
-            file=sys.stderr,
-        )
+        print(format_stats(ntok, stats, policy), file=sys.stderr)
     return 0
 
 
@@ -290,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
+    from ._extras import MissingExtra
     from .config import ConfigError
     from .plugins import PluginError
 
-    user = (CLIError, ConfigError, PluginError, FileNotFoundError, ValueError, OSError)
+    user = (CLIError, ConfigError, PluginError, MissingExtra, FileNotFoundError, ValueError, OSError)
     return isinstance(exc, user)
 
 

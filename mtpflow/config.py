@@ -61,20 +61,34 @@ class ModelConfig:
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
 
+#: block size when neither the config nor the drafter checkpoint names one
+FALLBACK_BLOCK_SIZE = 4
+
+
 @frozen(kw_only=True)
 class DraftConfig:
-    #: tokens verified per round: drafts + 1 (1 = no drafting)
-    block_size: int = field(default=4, validator=[_ge(1)])
+    #: tokens verified per round: drafts + 1 (1 = no drafting); unset = the
+    #: drafter checkpoint's recommended block size, else 4 (the adaptive
+    #: policy starts there)
+    block_size: int | None = field(default=None, validator=[_ge(1)])
     #: drafter query RoPE position: "bonus" (transformers) or "bonus-1" (mlx-vlm)
     position: Literal["bonus", "bonus-1"] = "bonus"
-    #: block-size policy plugin: "fixed" or "adaptive"
-    policy: str = "fixed"
+    #: block-size policy plugin: "adaptive" (measures, and falls back to no
+    #: drafting when drafting does not pay), "fixed", or "auto" = "fixed" when
+    #: ``block_size`` is set, else "adaptive" starting at the drafter's
+    #: recommended block size
+    policy: str = "auto"
     #: largest block the adaptive policy may choose
     max_block_size: int = field(default=8, validator=[_ge(1)])
 
     def __attrs_post_init__(self):
-        if self.block_size > 32:
+        if self.block_size is not None and self.block_size > 32:
             raise FieldError("block_size", f"must be <= 32 (got {self.block_size})")
+
+    @property
+    def size(self) -> int:
+        """The block size to start from (``block_size`` or the fallback)."""
+        return self.block_size if self.block_size is not None else FALLBACK_BLOCK_SIZE
 
 
 @frozen(kw_only=True)
@@ -195,13 +209,36 @@ def structure(data: dict[str, Any]) -> Config:
         raise ConfigError("; ".join(msgs)) from None
 
 
+#: The configs that ship with mtpflow (``configs/`` in the repository is a link here).
+SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "configs"
+
+
+def shipped_configs() -> dict[str, Path]:
+    """``{name: path}`` of the shipped configs (``gemma4-e2b`` -> ``.../gemma4-e2b.toml``)."""
+    return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.toml"))}
+
+
+def find_config(name: str | Path) -> Path:
+    """A config file path, or the name of a shipped config (``gemma4-e2b``,
+    with or without ``.toml``)."""
+    p = Path(name).expanduser()
+    if p.is_file():
+        return p
+    shipped = shipped_configs()
+    stem = p.name[: -len(".toml")] if p.name.endswith(".toml") else p.name
+    if p.parent != Path("."):
+        raise ConfigError(f"config file {p} does not exist")
+    if stem in shipped:
+        return shipped[stem]
+    raise ConfigError(f"config {str(name)!r} is neither a file nor a shipped config ({', '.join(shipped)})")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, dict] | None = None) -> Config:
-    """Read a TOML config (optional) and apply ``{section: {key: value}}`` overrides."""
+    """Read a TOML config (optional: a path or a shipped config's name) and
+    apply ``{section: {key: value}}`` overrides."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+        p = find_config(path)
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:

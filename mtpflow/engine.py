@@ -13,10 +13,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import structlog
+import attrs
 from attrs import define, field, frozen
 
-from .config import Config
+from .config import FALLBACK_BLOCK_SIZE, Config, DraftConfig
+from .drafters.base import recommended_block_size
+from .logs import round_logger
 from .metrics import SpecDecodingStats
 from .plugins import Plugins, PluginError, get_plugins
 from .state import Request, SamplingParams
@@ -46,6 +48,8 @@ class Session:
     batch_policy: Any = None
     log: Any = None
     stats: SpecDecodingStats = field(factory=SpecDecodingStats)
+    #: the ``[draft]`` settings a config that sets none gets for this pair
+    default_draft: Any = None
 
     @property
     def hook(self):
@@ -53,7 +57,7 @@ class Session:
 
     @property
     def max_block_size(self) -> int:
-        return max(self.config.draft.block_size, self.config.draft.max_block_size)
+        return max(self.config.draft.size, self.config.draft.max_block_size)
 
     def reset_stats(self) -> None:
         self.stats = SpecDecodingStats()
@@ -175,6 +179,23 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
     return detected
 
 
+def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict | None = None, drafter_path=None) -> Config:
+    """Fill in what ``[draft]`` leaves unset: the block size (the drafter
+    checkpoint's recommendation, else :data:`~mtpflow.config.FALLBACK_BLOCK_SIZE`)
+    and the policy (``auto``: ``fixed`` when a block size was given, else
+    ``adaptive``)."""
+    d = config.draft
+    policy = d.policy if d.policy != "auto" else ("fixed" if d.block_size is not None else "adaptive")
+    block = d.block_size
+    if block is None:
+        if drafter_cls is not None and drafter_config is not None:
+            block = getattr(drafter_cls, "recommended_block_size", recommended_block_size)(drafter_config, drafter_path)
+        block = block or FALLBACK_BLOCK_SIZE
+    if (block, policy) == (d.block_size, d.policy):
+        return config
+    return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy))
+
+
 def load_session(
     config: Config,
     plugins: Plugins | None = None,
@@ -226,6 +247,20 @@ def load_session(
         kind = mc.draft_kind
         drafter_cls = plugins.drafters.get(kind)
 
+    # what a config that leaves [draft] alone gets for this pair (bench's "default" variant)
+    default_draft = resolve_draft_config(
+        attrs.evolve(config, draft=DraftConfig(position=config.draft.position)), drafter_cls, dcfg, dpath
+    ).draft
+    config = resolve_draft_config(config, drafter_cls, dcfg, dpath)
+    # every plugin name resolves before any weight is read
+    sc = config.sampling
+    # "auto": the rejection sampler, which verifies greedy rows by exact argmax
+    # matching and samples the others losslessly (per request)
+    sampler_factory = plugins.samplers.get(sc.sampler if sc.sampler != "auto" else "rejection")
+    processor_factories = [plugins.logits_processors.get(n) for n in sc.processors]
+    block_policy_factory = plugins.block_policies.get(config.draft.policy)
+    batch_policy_factory = plugins.batch_policies.get(config.batch.policy)
+
     target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
     drafter = None
     if drafter_cls is not None:
@@ -238,10 +273,6 @@ def load_session(
 
         tokenizer = load_tok(tpath, eos_token_ids=sorted(target.eos_ids) or None)
 
-    sc = config.sampling
-    # "auto": the rejection sampler, which verifies greedy rows by exact argmax
-    # matching and samples the others losslessly (per request)
-    sampler_name = sc.sampler if sc.sampler != "auto" else "rejection"
     session = Session(
         config=config,
         plugins=plugins,
@@ -249,12 +280,11 @@ def load_session(
         drafter=drafter,
         draft_kind=kind,
         tokenizer=tokenizer,
-        sampler=plugins.samplers.get(sampler_name)(
-            config, [plugins.logits_processors.get(n)(config) for n in sc.processors]
-        ),
-        block_policy=plugins.block_policies.get(config.draft.policy)(config),
-        batch_policy=plugins.batch_policies.get(config.batch.policy)(config),
-        log=log if log is not None else structlog.get_logger("mtpflow"),
+        sampler=sampler_factory(config, [f(config) for f in processor_factories]),
+        block_policy=block_policy_factory(config),
+        batch_policy=batch_policy_factory(config),
+        default_draft=default_draft,
+        log=log if log is not None else round_logger(),
     )
     return session
 
@@ -262,12 +292,16 @@ def load_session(
 # --------------------------------------------------------------------------------------
 # generation
 # --------------------------------------------------------------------------------------
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
     """Token ids of one user prompt: with ``chat`` and a tokenizer that has a
-    chat template, rendered as a single user turn with the generation prompt;
-    otherwise plainly encoded."""
+    chat template, rendered as a single user turn (after a ``system``
+    message, if given) with the generation prompt, as ``mlx_lm.generate``
+    does by default; otherwise plainly encoded."""
     if chat and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        messages = [{"role": "user", "content": text}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return list(tokenizer.encode(text))
 
 

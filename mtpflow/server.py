@@ -14,9 +14,12 @@ Architecture
   (``loop.call_soon_threadsafe``).  When idle the scheduler sleeps on a
   condition variable.
 * Per-request usage (``draft_tokens``, ``accepted_tokens``, ``tau``) comes
-  from an ``mtpflow_emit`` observer that also logs one structlog ``round``
-  event per request per round with ``request_id=`` bound.  The library never
-  calls ``structlog.configure()``.
+  from an ``mtpflow_emit`` observer.  The log (stdlib logger
+  ``mtpflow.server``, see :mod:`mtpflow.logs`) holds **one line per
+  request** when it ends (``request.done``, ``request.cancelled`` or
+  ``request.failed``, with its usage); the engine's round events are DEBUG
+  records of ``mtpflow.rounds`` (``mtpflow serve --log-level debug``).  The
+  library never calls ``structlog.configure()``.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` = server-sent events in the
@@ -38,9 +41,10 @@ and ``"assistant:"`` is appended as the generation prompt, then encoded.
 
 ``usage``: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` plus
 ``draft_tokens`` (drafts proposed for this request), ``accepted_tokens``,
-``rounds`` (speculative rounds the request took part in) and ``tau`` (tokens
-emitted per round for this request; the first token, sampled at prefill, is
-not part of a round).
+``rounds`` (decoding rounds the request took part in) and ``tau`` (tokens
+per target forward for this request, bonus included, as
+:func:`mtpflow.metrics.tau`; the first token, sampled at prefill, is not part
+of a round; ``null`` before any round).
 
 Nothing here imports mlx or starlette at module level.
 """
@@ -62,9 +66,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-import structlog
-
 from mtpflow import hookimpl
+from mtpflow.logs import SERVER, round_logger, stdlib_logger
+from mtpflow.metrics import tau
 
 DEFAULT_MAX_CONTEXT = 8192
 MAX_STOP_STRINGS = 16
@@ -103,7 +107,7 @@ class _Job:
         self.rounds = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
-        self.round_emitted = 0
+        self.round_produced = 0
         self.t0 = time.perf_counter()
 
     def usage(self) -> dict:
@@ -115,17 +119,16 @@ class _Job:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "rounds": self.rounds,
-            "tau": round(self.round_emitted / self.rounds, 4) if self.rounds else 0.0,
+            "tau": None if not self.rounds else round(tau(self.round_produced, self.rounds), 4),
         }
 
 
 class RoundObserver:
-    """``mtpflow_emit`` plugin: per-request counters and one structlog event per
-    request per round (``request_id`` bound)."""
+    """``mtpflow_emit`` plugin: per-request counters (it logs nothing: the
+    engine's round events already go to ``mtpflow.rounds``)."""
 
-    def __init__(self, jobs: dict[str, _Job], log):
+    def __init__(self, jobs: dict[str, _Job]):
         self.jobs = jobs
-        self.log = log
 
     @hookimpl
     def mtpflow_emit(self, session, record, emitted):
@@ -135,13 +138,12 @@ class RoundObserver:
                 continue
             drafted = record.drafted if job.request.speculative else 0
             acc = record.accepted[i] if i < len(record.accepted) else 0
-            n = record.emitted[i] if i < len(record.emitted) else len(emitted[rid])
+            produced = record.produced_tokens
+            n = produced[i] if i < len(produced) else len(emitted[rid])
             job.rounds += 1
             job.draft_tokens += drafted
             job.accepted_tokens += acc
-            job.round_emitted += n
-            job.log.info("round", round=record.round, batch_size=record.batch_size,
-                         drafted=drafted, accepted=acc, emitted=n)
+            job.round_produced += n
 
 
 # --------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ class Scheduler:
 
     def __init__(self, source: Any, *, log=None, max_batch_size: int | None = None):
         self.source = source
-        self.log = log if log is not None else structlog.get_logger("mtpflow.server")
+        self.log = log if log is not None else stdlib_logger(SERVER)
         self.max_batch_size = max_batch_size
         self.session = None
         self.batcher = None
@@ -226,9 +228,9 @@ class Scheduler:
         from .config import Config
         from .engine import Session, load_session
 
-        observer = RoundObserver(self._jobs, self.log)
+        observer = RoundObserver(self._jobs)
         if isinstance(self.source, Config):
-            session = load_session(self.source, extra_plugins=[observer], log=self.log.bind(component="engine"))
+            session = load_session(self.source, extra_plugins=[observer], log=round_logger())
         else:
             session = self.source() if callable(self.source) and not isinstance(self.source, Session) else self.source
             session.plugins.pm.register(observer, name=f"mtpflow-server-observer-{id(observer)}")
@@ -325,8 +327,6 @@ class Scheduler:
             job = _Job(request, loop, queue, stops, self.log.bind(request_id=request.id))
             self._jobs[request.id] = job
             self.counters["requests_total"] += 1
-            job.log.info("request.start", prompt_tokens=len(request.prompt), max_tokens=request.max_tokens,
-                         temperature=request.sampling.temperature, speculative=request.speculative)
             self.batcher.add([request])
         elif kind == "cancel":
             job = self._jobs.pop(cmd[1], None)
@@ -589,6 +589,9 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
     """
     from contextlib import asynccontextmanager
 
+    from ._extras import require
+
+    require("serve", "starlette")
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request as HTTPRequest
@@ -808,8 +811,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", help="drafter folder or repo id (default: $MTPFLOW_DRAFT_MODEL)")
     parser.add_argument("--draft-kind", help="drafter kind (default: $MTPFLOW_DRAFT_KIND, else detected)")
     parser.add_argument("--draft-block-size", type=int, help="tokens verified per round (default: $MTPFLOW_DRAFT_BLOCK_SIZE)")
-    parser.add_argument("--config", help="TOML config file (flags override it)")
+    parser.add_argument("--config", help="TOML config file or a shipped config's name; flags override it (default: none)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default float32)")
+    parser.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
+                        help="info: one line per request; debug: also every round (default info)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch-size", type=int, help="rows decoded together (default: config, 8)")
@@ -851,8 +856,16 @@ def serve_config_from_args(args):
 
 def run_serve(args) -> int:
     """``mtpflow serve``: load the model and serve until interrupted."""
+    from ._extras import require
+
+    require("serve", "starlette", "uvicorn")
     import uvicorn
 
+    import logging
+
+    from .logs import enable_console
+
+    enable_console(getattr(logging, args.log_level.upper()))
     cfg = serve_config_from_args(args)
     app = create_app(cfg, served_model_name=args.served_model_name, max_context=args.max_context)
     print(f"mtpflow: serving {app.state.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)

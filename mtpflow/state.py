@@ -169,9 +169,18 @@ class RoundRecord:
     verify_s: float
     host_s: float
     syncs: int = 1
+    #: per row, tokens the round's target forward produced: ``emitted`` plus
+    #: the stop token that ended the row (produced, not emitted); ``None`` =
+    #: same as ``emitted``.  τ counts these (see :mod:`mtpflow.metrics`).
+    produced: list[int] | None = None
+
+    @property
+    def produced_tokens(self) -> list[int]:
+        return self.emitted if self.produced is None else self.produced
 
     def as_event(self) -> dict:
         d = attrs.asdict(self)
+        d["produced"] = list(self.produced_tokens)
         d["accepted_total"] = sum(self.accepted)
         d["emitted_total"] = sum(self.emitted)
         return d

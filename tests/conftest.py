@@ -30,9 +30,9 @@ def target():
 
 def quiet_log():
     """A structlog logger that prints nothing (round events of big batches are long)."""
-    from mtpflow.cli import _quiet_logger
+    from mtpflow.logs import null_logger
 
-    return _quiet_logger()
+    return null_logger()
 
 
 def make_session(pair: str = "e", block_size: int = 5, with_drafter: bool = True, plugins=None, log=None, **overrides):

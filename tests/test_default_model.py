@@ -66,6 +66,14 @@ def test_generate_with_no_model_flags_runs_the_default_pair_losslessly(capsys):
 
     target = _load_target(t)
     assert res["tokens"] == target_only_greedy(target, ids, 24, target.eos_ids)
-    # the drafter ran and some of its drafts were accepted (its quality is measured by
-    # `mtpflow eval`, see its model card: on this prompt few drafts are accepted)
-    assert st["draft_tokens"] > 0 and st["accepted_tokens"] >= 1, st
+    # the default policy measured drafting (it starts at the drafter's recommended block)
+    assert st["block_policy"] == "adaptive" and st["block_size"] == 2 and st["draft_tokens"] > 0, st
+    # at a fixed block size the drafter keeps running and some drafts are accepted (its
+    # quality is measured by `mtpflow eval`, see its model card: on this prompt few are)
+    rc = main(["generate", "--max-tokens", "24", "--json", "--draft-block-size", "4"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    fixed = json.loads(out)
+    assert fixed["tokens"] == res["tokens"]
+    st = fixed["stats"]
+    assert st["block_policy"] == "fixed" and st["draft_tokens"] > 0 and st["accepted_tokens"] >= 1, st

@@ -19,7 +19,7 @@ def gemma3(tmp_path_factory):
     except GGUFError as exc:
         pytest.skip(str(exc))
     drafter = random_drafter(target, tmp_path_factory.mktemp("g3") / "drafter", seed=1)
-    cfg = load_config(overrides={"model": {"model": str(target), "draft_model": str(drafter)}})
+    cfg = load_config(overrides={"model": {"model": str(target), "draft_model": str(drafter)}, "draft": {"policy": "fixed"}})
     return load_session(cfg)
 
 

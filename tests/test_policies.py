@@ -73,3 +73,72 @@ def test_adaptive_policy_keeps_greedy_output_exact():
     res = generate(s, ids, max_tokens=60)
     assert res.tokens == target_only_greedy(s.target, ids, 60, s.target.eos_ids)
     assert {1, 3} <= set(s.block_policy.seen)  # the configured size and the null path were measured
+
+
+def test_adaptive_policy_falls_back_on_an_always_wrong_drafter_and_stays_there():
+    # a memory-bound target, where verifying more tokens costs little (SmolLM2
+    # here: 4 tokens cost 1.17x one), and a drafter that is never right
+    cfg = load_config(overrides={"draft": {"block_size": 4, "max_block_size": 8, "policy": "adaptive"}})
+    chosen = simulate(AdaptiveBlockPolicy(cfg), 0.0, 0.004, lambda k: 0.1 * (1 + 0.057 * (k - 1)), rounds=1000)
+    drafting = [i for i, k in enumerate(chosen) if k > 1]
+    # a few rounds to learn, then tries whose spacing doubles: a handful in 1000 rounds
+    assert drafting[0] == 0 and len(drafting) <= 40, drafting
+    late = [i for i in drafting if i >= 100]
+    assert len(late) <= 4, drafting
+    gaps = [b - a for a, b in zip(late, late[1:])]
+    assert all(g2 >= 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), drafting
+    assert chosen[-200:].count(1) >= 199
+
+
+class _AlwaysWrongDrafter:
+    """Drafts token 0, which the fixture target never emits greedily, after some real work
+    (so drafting costs time, as it does with a real drafter)."""
+
+    model_types = ()
+    needs = frozenset()
+
+    @classmethod
+    def load(cls, path, target, options):
+        return cls()
+
+    def propose(self, session, state, shared, n_draft):
+        import mlx.core as mx
+
+        from mtpflow.state import DraftBlock
+
+        B = state.size
+        w = mx.ones((1024, 1024)) / 1024.0
+        x = mx.ones((512, 1024))
+        for _ in range(3 * n_draft):  # ~3 GFLOP per draft step: far above timing noise
+            x = x @ w
+        zero = (x[:B, :1] * 0).astype(mx.int32)
+        return DraftBlock(tokens=mx.broadcast_to(zero, (B, n_draft)), n_draft=n_draft)
+
+
+class _WrongPlugin:
+    from mtpflow import hookimpl as _hookimpl
+
+    @_hookimpl
+    def mtpflow_register_drafters(self, register):
+        register("always-wrong", _AlwaysWrongDrafter)
+
+
+def test_default_policy_falls_back_to_target_only_on_a_wrong_drafter():
+    from conftest import RoundLog
+
+    from mtpflow.plugins import make_plugin_manager
+
+    rounds = RoundLog()
+    pm = make_plugin_manager([_WrongPlugin(), rounds], autoload=False)
+    s = make_session("e", block_size=None, with_drafter=False, plugins=pm, model={"draft_kind": "always-wrong"})
+    assert s.config.draft.policy == "adaptive"  # the default: no block size given
+    ids = list(range(5, 25))
+    ref = target_only_greedy(s.target, ids, 150, s.target.eos_ids)
+    assert 0 not in ref
+    res = generate(s, ids, max_tokens=150)
+    assert res.tokens == ref
+    sizes = [r.block_size for r in rounds.records]
+    drafting = [i for i, k in enumerate(sizes) if k > 1]
+    assert s.stats.accepted_tokens == 0
+    assert len(drafting) <= 20, sizes  # a few rounds to learn, then rare, ever rarer tries
+    assert sizes[-40:].count(1) >= 39, sizes

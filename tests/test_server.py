@@ -118,11 +118,14 @@ def test_completion_matches_target_greedy(server, client):
     assert extra["draft_tokens"] > 0 and 0 <= extra["accepted_tokens"] <= extra["draft_tokens"]
     assert extra["tau"] > 1.0  # speculation pays off on the fixture pair
     assert r.id.startswith("cmpl-")
-    # the text prompt gives the same output; the request's rounds are logged with its id
+    # the text prompt gives the same output; the request is logged once, with its id and usage
     r2 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     assert r2.choices[0].text == text
-    rounds = [c.kwargs for c in server["logs"].calls if c.kwargs.get("event") == "round" and c.kwargs.get("request_id") == r2.id]
-    assert len(rounds) == r2.usage.model_extra["rounds"] > 0
+    lines = [c.kwargs for c in server["logs"].calls if c.kwargs.get("request_id") == r2.id]
+    assert [e["event"] for e in lines] == ["request.done"]
+    assert lines[0]["rounds"] == r2.usage.model_extra["rounds"] > 0
+    assert lines[0]["completion_tokens"] == r2.usage.completion_tokens
+    assert not [c for c in server["logs"].calls if c.kwargs.get("event") == "round"]  # rounds: DEBUG, engine's logger
 
 
 def test_streaming_equals_non_streaming(server, client):

@@ -9,7 +9,7 @@ class FixedBlockPolicy:
     name = "fixed"
 
     def __init__(self, config):
-        self.size = config.draft.block_size
+        self.size = config.draft.size
 
     def block_size(self, stats) -> int:
         return self.size
@@ -38,21 +38,25 @@ class AdaptiveBlockPolicy:
     The first round runs ``draft.block_size``, the second runs block size 1
     (the null path, so the cost of verifying more than one token is known),
     then every round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
-    every ``explore_every`` rounds so the model follows changes (acceptance
-    drifting with the text, rows leaving the batch).  Unlike trying every
-    size in turn, a short request spends at most one round off the best
-    size.  When drafting does not pay -- a cheap target, a large batch, a
-    drafter that is rarely right -- block size 1 wins and the drafter stops
-    running.
+    now and then so the model follows changes (acceptance drifting with the
+    text, rows leaving the batch): first after ``explore_every`` rounds, and
+    each time a try leaves the best size unchanged the wait doubles (up to
+    ``max_explore_every``), so a drafter that never pays costs a handful of
+    rounds in a long run.  When the best size changes, the wait starts over.
+    Unlike trying every size in turn, a short request spends at most one
+    round off the best size.  When drafting does not pay -- a cheap target,
+    a large batch, a drafter that is rarely right -- block size 1 wins and
+    the drafter stops running.
     """
 
     name = "adaptive"
     explore_every = 8
+    max_explore_every = 512
     alpha = 0.3
 
     def __init__(self, config):
-        self.max_k = max(config.draft.max_block_size, config.draft.block_size)
-        self.start = config.draft.block_size
+        self.max_k = max(config.draft.max_block_size, config.draft.size)
+        self.start = config.draft.size
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
         self.step_s: float | None = None
@@ -60,6 +64,9 @@ class AdaptiveBlockPolicy:
         self.seen: dict[int, int] = {}
         self.rounds = 0
         self._flip = 1
+        self._best = None
+        self._wait = self.explore_every
+        self._next = self.explore_every
 
     # -- the model -----------------------------------------------------------------
     def p(self, i: int) -> float:
@@ -82,11 +89,20 @@ class AdaptiveBlockPolicy:
         return e
 
     def verify_cost(self, k: int) -> float:
+        """Seconds of verify + host for block size ``k``: the measured
+        averages made non-decreasing in ``k`` (verifying more tokens never
+        costs less; a noisy cheap measurement must not make every larger size
+        look cheap), interpolated linearly between measured sizes and
+        extrapolated with the slope of the two largest."""
         known = sorted(self.verify)
-        if k in self.verify:
-            return self.verify[k]
+        env, run = {}, 0.0
+        for x in known:
+            run = max(run, self.verify[x])
+            env[x] = run
+        if k in env:
+            return env[k]
         if len(known) == 1:
-            return self.verify[known[0]]
+            return env[known[0]]
         lo = [x for x in known if x < k]
         hi = [x for x in known if x > k]
         if lo and hi:
@@ -94,8 +110,8 @@ class AdaptiveBlockPolicy:
         elif lo:
             a, b = lo[-2], lo[-1]
         else:
-            a, b = hi[0], hi[1]
-        va, vb = self.verify[a], self.verify[b]
+            return env[hi[0]]
+        va, vb = env[a], env[b]
         return max(va + (vb - va) * (k - a) / (b - a), 1e-9)
 
     def cost(self, k: int) -> float:
@@ -116,7 +132,12 @@ class AdaptiveBlockPolicy:
             return 1
         self.rounds += 1
         best = self.best()
-        if self.rounds % self.explore_every == 0:
+        if best != self._best:  # the model moved: watch it closely again
+            self._best, self._wait = best, self.explore_every
+            self._next = self.rounds + self._wait
+        if self.rounds >= self._next and self.max_k > 1:
+            self._wait = min(2 * self._wait, self.max_explore_every)
+            self._next = self.rounds + self._wait
             self._flip = -self._flip
             if best + self._flip < 1 or best + self._flip > self.max_k:
                 self._flip = -self._flip

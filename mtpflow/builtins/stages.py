@@ -159,7 +159,11 @@ def mtpflow_round_protocol(session, state):
     mx.eval(acc.counts, acc.tokens, verify.hidden)
     t2 = time.perf_counter()
     host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist())
+    live = [not r.finished for r in state.rows]
     emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)
+    # tokens each row's target forward produced: the emitted ones, plus the
+    # stop token that ended the row (it was produced, just not emitted)
+    produced = [len(e) + (was and r.finish_reason == "stop") for e, r, was in zip(emitted, state.rows, live)]
     t3 = time.perf_counter()
     record = RoundRecord(
         round=index,
@@ -168,6 +172,7 @@ def mtpflow_round_protocol(session, state):
         drafted=n_draft,
         accepted=list(host.counts),
         emitted=[len(e) for e in emitted],
+        produced=produced,
         draft_s=t1 - t0,
         verify_s=t2 - t1,
         host_s=t3 - t2,
@@ -181,4 +186,4 @@ def mtpflow_round_protocol(session, state):
 
 @hookimpl
 def mtpflow_emit(session, record, emitted):
-    session.log.info("round", **record.as_event())
+    session.log.debug("round", **record.as_event())

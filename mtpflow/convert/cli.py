@@ -22,11 +22,11 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--gguf/--package`` (one required), ``--out``, ``--dtype``."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", metavar="FILE", help="path of a GGUF file")
+    source.add_argument("--gguf", metavar="FILE", help="path of a GGUF file (this or --package is required)")
     source.add_argument(
         "--package",
         metavar="NAME",
-        help="packaged GGUF shipped in PyPI wheels (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)",
+        help="packaged GGUF shipped in PyPI wheels (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; this or --gguf is required)",
     )
     parser.add_argument(
         "--out",

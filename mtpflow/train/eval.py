@@ -85,7 +85,7 @@ class _RoundCollector:
     def __init__(self):
         self.records: list[dict] = []
 
-    def info(self, event, **kw):
+    def debug(self, event, **kw):  # the engine's round events are DEBUG records
         if event == "round":
             self.records.append(kw)
 
@@ -330,20 +330,20 @@ def write_report(result: dict, out_dir) -> dict:
 # ------------------------------------------------------------------------------ CLI
 def add_eval_arguments(p) -> None:
     """``mtpflow eval --target T --draft-model D --prompts SET``."""
-    p.add_argument("--target", required=True, help="target model folder or Hugging Face repo id")
-    p.add_argument("--draft-model", required=True, help="drafter folder (any registered drafter kind)")
+    p.add_argument("--target", required=True, help="target model folder, Hugging Face repo id or packaged name (required)")
+    p.add_argument("--draft-model", required=True, help="drafter folder (any registered drafter kind) (required)")
     p.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | FILE (.jsonl or one prompt per line), optional :N")
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=4, help="tokens verified per round, fixed: drafts + 1")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--out", help="write eval.json and acceptance.png here")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="weights dtype")
+    p.add_argument("--out", help="write eval.json and acceptance.png here (default: print the JSON only)")
     p.add_argument("--offline", action="store_true",
                    help="mtpflow_assistant drafters: score the drafter on the target's cached greedy answers instead of "
                         "running the engine (same tau, float16 rounding aside; seconds per drafter once answers are cached)")
     p.add_argument("--features", metavar="DIR",
-                   help="with --offline: cache the target's answers and features here (reused by later runs)")
+                   help="with --offline: cache the target's answers and features here, reused by later runs (default: a temporary folder)")
 
 
 def run_eval(args) -> int:

@@ -563,40 +563,50 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
 # ------------------------------------------------------------------------------ CLI
 def add_train_arguments(p) -> None:
     """``mtpflow train --target T --drafter-config C --data SPEC --out DIR``."""
-    p.add_argument("--target", required=True, help="target model folder or Hugging Face repo id")
+    p.add_argument("--target", required=True, help="target model folder, Hugging Face repo id or packaged name (required)")
     p.add_argument("--drafter-config", help="drafter config: a JSON file (full config, or make_config options such as "
                    '{"num_hidden_layers": 2, "draft_vocab_size": 8192}) or inline JSON; default: 2 layers at the target width')
     p.add_argument("--data", required=True, help="data spec: sharegpt[:N], FILE.jsonl[:N], FILE.json, FILE.txt, DIR, selfgen:N[:L]; comma-separated; "
                    "or distill:PROMPTS (distill:sharegpt:N): the target answers the prompts greedily and its features are cached in OUT/features; "
                    "or cache:SPEC (cache:sharegpt:N): the data's own answers, the target's features cached once in OUT/features-cache; "
-                   "distill: and cache: combine (distill:sharegpt:4000,cache:sharegpt:3000)")
-    p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint)")
+                   "distill: and cache: combine (distill:sharegpt:4000,cache:sharegpt:3000) (required)")
+    p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint) (required)")
     d = TrainConfig()
+    helps = {
+        "steps": "optimizer steps", "batch_size": "sequences per step", "max_len": "tokens per sequence (longer ones are cut)",
+        "unroll": "drafting steps unrolled per position (as at inference)", "checkpoint_every": "steps between checkpoints",
+        "seed": "random seed", "lr": "peak learning rate (AdamW)", "weight_decay": "AdamW weight decay",
+        "grad_clip": "gradient norm clip", "decay": "geometric weight of unrolled step i: decay**i",
+        "min_lr_ratio": "cosine schedule floor, as a fraction of --lr",
+    }
     for name in ("steps", "batch_size", "max_len", "unroll", "checkpoint_every", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=helps[name])
     for name in ("lr", "weight_decay", "grad_clip", "decay", "min_lr_ratio"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    p.add_argument("--warmup", type=int, default=d.warmup)
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), help=helps[name])
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
     p.add_argument("--init", choices=["identity", "random"], default=d.init,
                    help="drafter initialisation (identity: h' starts as the target's hidden state)")
     p.add_argument("--init-from", default=None,
                    help="warm start from a trained drafter folder or packaged drafter name (its config, weights and draft "
-                        "vocabulary; fresh optimiser and schedule), e.g. to continue training on more data")
+                        "vocabulary; fresh optimiser and schedule), e.g. to continue training on more data (default: none, a fresh drafter)")
     p.add_argument("--vocab-data", default=None,
-                   help="data spec whose tokens also rank the draft vocabulary (e.g. sharegpt:6000); needs draft_vocab_size")
-    p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights)
-    p.add_argument("--targets", choices=["soft", "hard"], default=d.targets)
-    p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (checkpointed; rerun to resume)")
+                   help="data spec whose tokens also rank the draft vocabulary (e.g. sharegpt:6000); needs draft_vocab_size (default: none, the training data alone)")
+    p.add_argument("--step-weights", choices=["geometric", "position"], default=d.step_weights,
+                   help="loss weight per unrolled step: geometric (--decay) or position (dE[tau]/da_i)")
+    p.add_argument("--targets", choices=["soft", "hard"], default=d.targets,
+                   help="labels: soft = the target's distribution (KL), hard = its argmax")
+    p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds (checkpointed; rerun to resume) (default: no limit)")
     p.add_argument("--distill-tokens", type=int, default=d.distill_tokens,
                    help="distill: data: tokens the target generates per prompt (greedy)")
     p.add_argument("--distill-batch", type=int, default=d.distill_batch, help="distill: data: prompts per generation batch")
     p.add_argument("--distill-time", type=float, default=None,
-                   help="distill: data: stop collecting after this many seconds and train on what was collected (rerun to add more)")
+                   help="distill: data: stop collecting after this many seconds and train on what was collected (rerun to add more) (default: no limit)")
     p.add_argument("--cache-batch", type=int, default=d.cache_batch, help="cache: data: rows per target forward")
     p.add_argument("--cache-time", type=float, default=None,
-                   help="cache: data: stop collecting features after this many seconds and train on what was collected (rerun to add more)")
-    p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--no-progress", action="store_true")
+                   help="cache: data: stop collecting features after this many seconds and train on what was collected (rerun to add more) (default: no limit)")
+    p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="dtype of the saved drafter weights (default: as trained, float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run_train(args) -> int:
