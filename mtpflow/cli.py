@@ -46,6 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-policy", help="block-size policy: adaptive, fixed or a plugin's (default: fixed when --draft-block-size is given, else adaptive)")
     p.add_argument("--config", help="TOML config file, or the name of a shipped config (default, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b); flags override it (default: none)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default: float32)")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
+                   help="set any config key, e.g. plugins.NAME.key=0.7 or sampling.top_k=20 (a TOML value); repeatable (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(e)
 
+    x = add("export", help="write a drafter in another format (EAGLE-3 -> Speculators, for vLLM / SGLang)")
+    from .export import add_arguments as add_export_arguments
+
+    add_export_arguments(x)
+
     c = add("convert", help="convert a GGUF file into an mlx-lm model folder")
     try:
         from .convert.cli import add_arguments as add_convert_arguments
@@ -130,7 +137,7 @@ def _config_from_args(args):
         }
         overrides["generation"] = {"max_tokens": args.max_tokens}
         overrides["trace"] = {"file": args.trace}
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, sets=getattr(args, "sets", None))
 
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -296,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             from .train.eval import run_eval
 
             return run_eval(args)
+        if args.command == "export":
+            from .export import run as run_export
+
+            return run_export(args)
         if args.command == "convert":
             from .convert.cli import run as run_convert
 

@@ -80,6 +80,9 @@ class DraftConfig:
     policy: str = "auto"
     #: largest block the adaptive policy may choose
     max_block_size: int = field(default=8, validator=[_ge(1)])
+    #: drafter LM head: "auto" = what the drafter checkpoint says, or the name
+    #: of a registered head (``mtpflow_register_lm_heads``)
+    head: str = "auto"
 
     def __attrs_post_init__(self):
         if self.block_size is not None and self.block_size > 32:
@@ -126,6 +129,30 @@ class TraceConfig:
     sync_timing: bool = False
 
 
+def _plugins_config(value):
+    """``plugins = ["mod"]`` (a load list) or ``[plugins]`` with ``load`` and ``[plugins.NAME]`` tables."""
+    if isinstance(value, PluginsConfig):
+        return value
+    if isinstance(value, (list, tuple)):
+        return PluginsConfig(load=list(value))
+    raise TypeError(f"expected a PluginsConfig or a list, got {type(value).__name__}")
+
+
+@frozen(kw_only=True)
+class PluginsConfig:
+    """``[plugins]``: modules to load, and one settings table per registered name.
+
+    ``load``: extra plugin modules to import (an unloadable one is an error
+    naming it).  ``settings``: ``{NAME: {key: value}}`` from the
+    ``[plugins.NAME]`` tables, handed to the plugin registered as ``NAME``
+    after validation by its own attrs ``settings`` class (see
+    :mod:`mtpflow.api`).
+    """
+
+    load: list[str] = field(factory=list)
+    settings: dict = field(factory=dict)
+
+
 @frozen(kw_only=True)
 class Config:
     model: ModelConfig = field(factory=ModelConfig)
@@ -134,8 +161,9 @@ class Config:
     batch: BatchConfig = field(factory=BatchConfig)
     generation: GenerationConfig = field(factory=GenerationConfig)
     trace: TraceConfig = field(factory=TraceConfig)
-    #: extra plugin modules to load (an unloadable one is an error naming it)
-    plugins: list[str] = field(factory=list)
+    #: ``[plugins]``: ``load = [...]`` modules and ``[plugins.NAME]`` settings
+    #: tables (a plain list is the load list)
+    plugins: PluginsConfig = field(factory=PluginsConfig, converter=_plugins_config)
 
 
 def _strict(kind, accept):
@@ -163,6 +191,21 @@ def _converter() -> cattrs.Converter:
         lambda t: t == list[str],
         lambda v, _: [c.structure(x, str) for x in _strict("a list", lambda x: isinstance(x, list))(v, _)],
     )
+
+    def structure_plugins(value, _type):
+        if isinstance(value, list):
+            return PluginsConfig(load=c.structure(value, list[str]))
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a table ([plugins]) or a list of modules, got {type(value).__name__} {value!r}")
+        value = dict(value)
+        load = c.structure(value.pop("load", []), list[str])
+        for name, table in value.items():
+            if not isinstance(table, dict):
+                raise FieldError(name, f"expected a table of settings for the plugin registered as {name!r}")
+        return PluginsConfig(load=load, settings=value)
+
+    c.register_structure_hook(PluginsConfig, structure_plugins)
+    c.register_unstructure_hook(PluginsConfig, lambda p: {"load": list(p.load), **{k: dict(v) for k, v in p.settings.items()}})
     return c
 
 
@@ -233,9 +276,38 @@ def find_config(name: str | Path) -> Path:
     raise ConfigError(f"config {str(name)!r} is neither a file nor a shipped config ({', '.join(shipped)})")
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, dict] | None = None) -> Config:
-    """Read a TOML config (optional: a path or a shipped config's name) and
-    apply ``{section: {key: value}}`` overrides."""
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``"plugins.fixed_temp.temperature=0.7"`` -> ``(["plugins", "fixed_temp", "temperature"], 0.7)``;
+    the value is read as a TOML value (``0.7``, ``true``, ``"s"``, ``[1, 2]``), else as a string."""
+    key, sep, raw = item.partition("=")
+    parts = [k.strip() for k in key.split(".")]
+    if not sep or not all(parts):
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, e.g. plugins.NAME.key=1")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def apply_sets(data: dict, sets) -> dict:
+    """Apply ``--set`` items (see :func:`parse_set`) to a config dict, in place."""
+    for item in sets or ():
+        parts, value = parse_set(item)
+        node = data
+        for i, k in enumerate(parts[:-1]):
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: $.{'.'.join(parts[: i + 1])} is not a table")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict] | None = None, sets=None) -> Config:
+    """Read a TOML config (optional: a path or a shipped config's name), apply
+    ``{section: {key: value}}`` overrides, then ``sets`` (``--set
+    a.b.c=value`` items)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = find_config(path)
@@ -250,6 +322,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
             if not isinstance(data[section], dict):
                 raise ConfigError(f"$.{section}: expected a table")
             data[section].update(values)
+    if isinstance(data.get("plugins"), list) and any(str(x).startswith("plugins.") for x in sets or ()):
+        data["plugins"] = {"load": data["plugins"]}
+    apply_sets(data, sets)
     try:
         return structure(data)
     except ConfigError as exc:
@@ -257,8 +332,45 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict] | Non
         raise ConfigError(f"{where}{exc}") from None
 
 
+def structure_settings(cls, table: dict, path: str):
+    """A plugin's settings: ``table`` structured into its attrs class ``cls``
+    (unknown keys and bad values are errors with their path under ``path``)."""
+    try:
+        return converter.structure(dict(table), cls)
+    except cattrs.BaseValidationError as exc:
+        field_msgs = _field_errors(cls, table, path)
+        if field_msgs:  # a plugin's own validators raise plain errors: name their fields
+            raise ConfigError("; ".join(field_msgs)) from None
+        msgs = [_relocate(m) for m in cattrs.transform_error(exc, path=path, format_exception=_format)]
+        raise ConfigError("; ".join(msgs)) from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, FieldError):
+            raise ConfigError(f"{path}.{exc.field_name}: {exc.msg}") from None
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _field_errors(cls, table: dict, path: str) -> list[str]:
+    """``$.path.field: message`` for every field of ``table`` whose own
+    attrs validator rejects its value (run one field at a time)."""
+    import attrs
+
+    out = []
+    for f in attrs.fields(cls):
+        if f.name not in table or f.validator is None:
+            continue
+        try:
+            value = converter.structure(table[f.name], f.type) if f.type is not None else table[f.name]
+            f.validator(None, f, value)
+        except cattrs.BaseValidationError:
+            continue  # a type error: transform_error reports it with its path
+        except (ValueError, TypeError) as exc:
+            msg = exc.msg if isinstance(exc, FieldError) else str(exc)
+            out.append(f"{path}.{f.name}: {msg}")
+    return out
+
+
 def unstructure(cfg: Config) -> dict:
     return converter.unstructure(cfg)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "structure", "unstructure"]
+__all__ = ["Config", "ConfigError", "PluginsConfig", "apply_sets", "load_config", "structure", "unstructure"]

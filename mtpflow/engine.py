@@ -7,6 +7,7 @@ round hook once per round.
 
 from __future__ import annotations
 
+import inspect
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator
@@ -20,6 +21,7 @@ from .config import FALLBACK_BLOCK_SIZE, Config, DraftConfig
 from .drafters.base import recommended_block_size
 from .logs import round_logger
 from .metrics import SpecDecodingStats
+from .api import check_needs
 from .plugins import Plugins, PluginError, get_plugins
 from .state import Request, SamplingParams
 
@@ -30,9 +32,24 @@ class LoadError(ValueError):
 
 @frozen(kw_only=True)
 class DrafterOptions:
+    """What ``Drafter.load(path, target, options)`` receives."""
+
     plugins: Any
     dtype: str | None
-    position_convention: str
+    position_convention: str = "bonus"
+    #: ``[draft] head``: "auto" (the checkpoint's head) or a registered head name
+    head: str = "auto"
+    #: the drafter kind's validated ``settings`` (``[plugins.KIND]``), or None
+    settings: Any = None
+    #: the session's config
+    config: Any = None
+
+
+def build_processors(plugins: Plugins, config: Config) -> list:
+    """The configured logits processors (``[sampling] processors``), in order
+    (mlx-lm ``(tokens, logits)`` processors are adapted by the samplers, see
+    :mod:`mtpflow.processors`)."""
+    return [plugins.build("logits_processors", n, config, config) for n in config.sampling.processors]
 
 
 @define(kw_only=True)
@@ -54,6 +71,18 @@ class Session:
     @property
     def hook(self):
         return self.plugins.hook
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the drafter reads (``"layer:N"`` needs)."""
+        from .api import needed_layers
+
+        return needed_layers(getattr(self.drafter, "needs", ()) or ())
+
+    @property
+    def drafter_commit(self):
+        """The drafter's ``commit(session, state, accepted)``, or ``None``."""
+        return getattr(self.drafter, "commit", None)
 
     @property
     def max_block_size(self) -> int:
@@ -160,7 +189,17 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
     contradicting ``requested`` kind is overridden with a warning."""
     mt = drafter_config.get("model_type")
     detected = None
-    for name, cls in plugins.drafters.items():
+    for name, cls in plugins.drafters.items():  # a kind that recognises the config itself comes first
+        matches = getattr(cls, "matches", None)
+        if matches is not None and matches(drafter_config):
+            detected = name
+            break
+    if detected is None and drafter_config.get("speculators_model_type") is not None:
+        raise LoadError(
+            f"a Speculators checkpoint of algorithm {drafter_config['speculators_model_type']!r}: no installed drafter "
+            "kind runs it (mtpflow runs speculators_model_type 'eagle3')"
+        )
+    for name, cls in plugins.drafters.items() if detected is None else ():
         if mt in getattr(cls, "model_types", ()):
             detected = name
             break
@@ -211,13 +250,14 @@ def load_session(
     compatibility check runs on the two config.json files before any weight
     is read.  MLX work must stay on the thread that loaded the session.
     """
-    if plugins is not None and (config.plugins or extra_plugins):
+    if plugins is not None and (config.plugins.load or extra_plugins):
         raise ValueError("pass either a ready plugin manager or plugins to load (config.plugins / extra_plugins), not both")
-    if config.plugins or extra_plugins:
+    if config.plugins.load or extra_plugins:
         from .plugins import make_plugin_manager
 
-        plugins = make_plugin_manager(list(extra_plugins or []) + list(config.plugins))
+        plugins = make_plugin_manager(list(extra_plugins or []) + list(config.plugins.load))
     plugins = plugins or get_plugins()
+    plugins.check_settings(config)
     mc = config.model
     if mc.model is None:
         tpath, dpath = default_model_paths()
@@ -242,7 +282,11 @@ def load_session(
         kind = detect_draft_kind(plugins, dcfg, mc.draft_kind)
         drafter_cls = plugins.drafters.get(kind)
         if hasattr(drafter_cls, "check"):
-            drafter_cls.check(tcfg, dcfg)  # before any weight is loaded
+            check = drafter_cls.check  # before any weight is loaded
+            if "drafter_path" in inspect.signature(check).parameters:
+                check(tcfg, dcfg, drafter_path=dpath)
+            else:
+                check(tcfg, dcfg)
     elif mc.draft_kind is not None:
         kind = mc.draft_kind
         drafter_cls = plugins.drafters.get(kind)
@@ -252,20 +296,30 @@ def load_session(
         attrs.evolve(config, draft=DraftConfig(position=config.draft.position)), drafter_cls, dcfg, dpath
     ).draft
     config = resolve_draft_config(config, drafter_cls, dcfg, dpath)
-    # every plugin name resolves before any weight is read
+    # every plugin name resolves, and its settings validate, before any weight is read
     sc = config.sampling
     # "auto": the rejection sampler, which verifies greedy rows by exact argmax
     # matching and samples the others losslessly (per request)
-    sampler_factory = plugins.samplers.get(sc.sampler if sc.sampler != "auto" else "rejection")
-    processor_factories = [plugins.logits_processors.get(n) for n in sc.processors]
-    block_policy_factory = plugins.block_policies.get(config.draft.policy)
-    batch_policy_factory = plugins.batch_policies.get(config.batch.policy)
+    sampler_name = sc.sampler if sc.sampler != "auto" else "rejection"
+    plugins.samplers.get(sampler_name)
+    for n in sc.processors:
+        plugins.logits_processors.get(n)
+    plugins.block_policies.get(config.draft.policy)
+    plugins.batch_policies.get(config.batch.policy)
+    if config.draft.head != "auto":
+        plugins.lm_heads.get(config.draft.head)
 
     target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
     drafter = None
     if drafter_cls is not None:
-        opts = DrafterOptions(plugins=plugins, dtype=mc.dtype, position_convention=config.draft.position)
+        opts = DrafterOptions(
+            plugins=plugins, dtype=mc.dtype, position_convention=config.draft.position, head=config.draft.head,
+            settings=plugins.settings_for(kind, drafter_cls, config), config=config,
+        )
         drafter = drafter_cls.load(dpath, target, opts)
+        why = check_needs(getattr(drafter, "needs", None))
+        if why:
+            raise PluginError(f"drafter kind {kind!r}: {why}")
 
     tokenizer = None
     if load_tokenizer and ((tpath / "tokenizer.json").is_file() or (tpath / "tokenizer.model").is_file()):
@@ -280,9 +334,9 @@ def load_session(
         drafter=drafter,
         draft_kind=kind,
         tokenizer=tokenizer,
-        sampler=sampler_factory(config, [f(config) for f in processor_factories]),
-        block_policy=block_policy_factory(config),
-        batch_policy=batch_policy_factory(config),
+        sampler=plugins.build("samplers", sampler_name, config, config, build_processors(plugins, config)),
+        block_policy=plugins.build("block_policies", config.draft.policy, config, config),
+        batch_policy=plugins.build("batch_policies", config.batch.policy, config, config),
         default_draft=default_draft,
         log=log if log is not None else round_logger(),
     )
@@ -330,20 +384,6 @@ def make_request(
     )
 
 
-def _select_rows(state, keep: list[int]) -> None:
-    import mlx.core as mx
-
-    idx = mx.array(keep, dtype=mx.int32)
-    for c in state.cache:
-        c.select(idx)
-    state.rows = [state.rows[i] for i in keep]
-    state.last_tokens = state.last_tokens[idx]
-    state.hidden = state.hidden[idx]
-    state.positions = state.positions[idx]
-    for c in state.cache:  # all caches share the one positions array after select
-        c.offset = state.positions
-
-
 class Batcher:
     """Drives a batch incrementally: :meth:`add` requests at any time,
     :meth:`step` admits waiting requests (per the batch policy), runs one
@@ -389,7 +429,7 @@ class Batcher:
             if not self.session.batch_policy.joins_between_rounds:
                 self.started = False  # a static batch is done: the next one may start
         elif len(keep) != st.size:
-            _select_rows(st, keep)
+            st.select(keep)
 
     def step(self) -> list[Event]:
         session = self.session
@@ -404,7 +444,11 @@ class Batcher:
                 events.append(
                     Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
                 )
-            self.state = new if self.state is None else _merge(session, self.state, new)
+            if self.state is None:
+                self.state = new
+            else:
+                self.state.merge(new)
+                session.sampler.prepare(self.state.rows, session.target.vocab_size)
             self.started = True
             self._drop_finished()
         if self.state is not None:
@@ -431,20 +475,6 @@ def _round_events(state) -> Iterator[Event]:
         row.slot = len(row.generated)
         if new or row.finished:
             yield Event(request_id=row.request.id, tokens=list(new), finished=row.finished, finish_reason=row.finish_reason)
-
-
-def _merge(session, state, new):
-    import mlx.core as mx
-
-    from .targets.cache import merge_caches
-
-    state.cache = merge_caches([state.cache, new.cache])
-    state.rows = state.rows + new.rows
-    state.last_tokens = mx.concatenate([state.last_tokens, new.last_tokens])
-    state.hidden = mx.concatenate([state.hidden, new.hidden])
-    state.positions = mx.concatenate([state.positions, new.positions])
-    session.sampler.prepare(state.rows, session.target.vocab_size)
-    return state
 
 
 def generate(

@@ -23,7 +23,16 @@ Two families of hooks exist:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Session
+    from .state import AcceptResult, BatchState, DraftBlock, Request, RoundRecord, SharedKV, VerifyResult
+
+#: the ``register(name, obj)`` callback a registry hook receives
+Register = Callable[[str, Any], None]
 
 hookspec = pluggy.HookspecMarker("mtpflow")
 
@@ -32,7 +41,7 @@ hookspec = pluggy.HookspecMarker("mtpflow")
 # The round protocol
 # --------------------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def mtpflow_round_protocol(session, state):
+def mtpflow_round_protocol(session: Session, state: BatchState) -> RoundRecord:
     """Run one speculative round for every live row of ``state``.
 
     The default implementation (``mtpflow.builtins.stages``) performs, in order:
@@ -48,7 +57,8 @@ def mtpflow_round_protocol(session, state):
     5. ``mtpflow_accept`` -- the sampler decides, per row, how many drafts are
        accepted and which recovered/bonus token follows (lazy arrays).
        *The engine then performs the round's single host synchronisation.*
-    6. ``mtpflow_advance`` -- roll the target cache back past rejected drafts,
+    6. ``mtpflow_advance`` -- roll the target cache back past rejected drafts
+       (a drafter with state of its own follows through its ``commit``),
        move last token / hidden state / positions forward, retire finished rows.
     7. ``mtpflow_emit`` -- observers receive the emitted tokens and the round
        record (plain Python numbers): streaming, tracing, metrics.
@@ -64,7 +74,7 @@ def mtpflow_round_protocol(session, state):
 
 
 @hookspec(firstresult=True)
-def mtpflow_prefill(session, requests):
+def mtpflow_prefill(session: Session, requests: list[Request]) -> BatchState:
     """Prefill the target for newly admitted requests.
 
     :param session: the generation session.
@@ -80,7 +90,7 @@ def mtpflow_prefill(session, requests):
 
 
 @hookspec(firstresult=True)
-def mtpflow_bind_shared_kv(session, state):
+def mtpflow_bind_shared_kv(session: Session, state: BatchState) -> SharedKV:
     """Build what the drafter reads from the target for this round.
 
     :param session: the generation session.
@@ -95,7 +105,7 @@ def mtpflow_bind_shared_kv(session, state):
 
 
 @hookspec(firstresult=True)
-def mtpflow_draft_block(session, state, shared, block_size):
+def mtpflow_draft_block(session: Session, state: BatchState, shared: SharedKV, block_size: int) -> DraftBlock:
     """Propose ``block_size - 1`` draft tokens per row.
 
     :param session: the generation session.
@@ -111,7 +121,7 @@ def mtpflow_draft_block(session, state, shared, block_size):
 
 
 @hookspec(firstresult=True)
-def mtpflow_verify(session, state, draft):
+def mtpflow_verify(session: Session, state: BatchState, draft: DraftBlock) -> VerifyResult:
     """Run the target once over ``[last token, drafts...]`` for every row.
 
     :param session: the generation session.
@@ -127,7 +137,7 @@ def mtpflow_verify(session, state, draft):
 
 
 @hookspec(firstresult=True)
-def mtpflow_accept(session, state, draft, verify):
+def mtpflow_accept(session: Session, state: BatchState, draft: DraftBlock, verify: VerifyResult) -> AcceptResult:
     """Decide acceptance with the session's sampler.
 
     :param session: the generation session.
@@ -144,7 +154,9 @@ def mtpflow_accept(session, state, draft, verify):
 
 
 @hookspec(firstresult=True)
-def mtpflow_advance(session, state, draft, verify, accepted):
+def mtpflow_advance(
+    session: Session, state: BatchState, draft: DraftBlock, verify: VerifyResult, accepted: AcceptResult
+) -> list[list[int]]:
     """Advance the batch after the round's host synchronisation.
 
     Rolls the target cache back past the rejected drafts, sets each row's next
@@ -166,7 +178,7 @@ def mtpflow_advance(session, state, draft, verify, accepted):
 
 
 @hookspec
-def mtpflow_emit(session, record, emitted):
+def mtpflow_emit(session: Session, record: RoundRecord, emitted: dict[str, list[int]]) -> None:
     """Observe a finished round (all implementations are called).
 
     :param session: the generation session.
@@ -182,12 +194,16 @@ def mtpflow_emit(session, record, emitted):
 # Registries
 # --------------------------------------------------------------------------------------
 @hookspec
-def mtpflow_register_lm_heads(register):
-    """Register drafter LM heads.
+def mtpflow_register_lm_heads(register: Register) -> None:
+    """Register drafter LM heads (selected by ``[draft] head``, default: the checkpoint's).
 
-    :param register: ``register(name, head_cls)``; ``head_cls`` must provide
-        ``from_config(config, vocab_size, hidden_size)`` and instances must be
-        callables returning logits, with ``argmax(x)`` and ``support(x)``.
+    :param register: ``register(name, head_cls)``; ``head_cls`` satisfies
+        :class:`mtpflow.api.LMHead`: ``from_config(config, vocab_size,
+        hidden_size, **context)`` (``context``: ``target``, ``settings``)
+        builds an instance with ``__call__(x, E=None)`` (dense logits over
+        the target vocabulary), ``argmax(x, E=None)`` (token ids) and
+        ``support(x, E=None)`` (``(ids, logits)`` of the draftable tokens);
+        ``E`` is the drafter's tied embedding, when it has one.
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -195,15 +211,15 @@ def mtpflow_register_lm_heads(register):
 
 
 @hookspec
-def mtpflow_register_samplers(register):
-    """Register acceptance samplers.
+def mtpflow_register_samplers(register: Register) -> None:
+    """Register acceptance samplers (``[sampling] sampler``).
 
     :param register: ``register(name, factory)``; ``factory(config,
-        processors)`` (``processors``: the configured logits-processor
-        callables, to apply first) returns an object with ``prepare(rows,
+        processors)`` (``processors``: the configured logits processors, to
+        apply first; plus ``settings=`` when the factory declares
+        ``settings``) returns a :class:`mtpflow.api.Sampler`: ``prepare(rows,
         vocab_size)``, ``first(logits, state)`` (the prefill token) and
-        ``accept(target_logits, draft, state)`` (an
-        :class:`mtpflow.state.AcceptResult`).
+        ``accept(logits, draft, state)`` (an :class:`mtpflow.state.AcceptResult`).
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -211,15 +227,18 @@ def mtpflow_register_samplers(register):
 
 
 @hookspec
-def mtpflow_register_logits_processors(register):
+def mtpflow_register_logits_processors(register: Register) -> None:
     """Register logits processors (``[sampling] processors = [...]`` in a config).
 
-    :param register: ``register(name, factory)``; ``factory(config)`` returns a
-        callable ``processor(logits, rows) -> logits`` on ``[B, L, V]`` target
-        logits (``rows``: the batch's :class:`mtpflow.state.RowState` list).
-        Configured processors run, in order, before the built-in temperature /
-        top-k / top-p / min-p / penalty processing, identically on the
-        speculative and the target-only path.  They must not synchronise.
+    :param register: ``register(name, factory)``; ``factory(config)`` (plus
+        ``settings=`` when it declares ``settings``) returns a
+        :class:`mtpflow.api.LogitsProcessor`, ``processor(logits, rows)`` on
+        ``[B, L, V]`` target logits (optionally with a keyword ``drafts``),
+        or an mlx-lm logits processor ``processor(tokens, logits)``, called
+        per row and verified position with the tokens up to it.  Configured
+        processors run, in order, before the built-in temperature / top-k /
+        top-p / min-p / penalty processing, identically on the speculative and
+        the target-only path.  They must not synchronise.
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -227,14 +246,18 @@ def mtpflow_register_logits_processors(register):
 
 
 @hookspec
-def mtpflow_register_drafters(register):
+def mtpflow_register_drafters(register: Register) -> None:
     """Register drafter kinds (``--draft-kind``).
 
-    :param register: ``register(name, drafter_cls)``; ``drafter_cls`` must
-        provide ``model_types`` (config ``model_type`` values it loads, may be
-        empty), ``needs`` (a subset of ``{"hidden", "shared_kv"}``),
-        ``load(path, target, options)`` and instances ``propose(session,
-        state, shared, n_draft)``.
+    :param register: ``register(name, drafter_cls)``; ``drafter_cls``
+        satisfies :class:`mtpflow.api.Drafter`: ``model_types`` (config
+        ``model_type`` values it loads, may be empty), ``needs`` (a frozenset
+        of ``"hidden"``, ``"shared_kv"`` and ``"layer:N"`` items; the stages
+        compute only what is needed), ``load(path, target, options)`` and
+        instances ``propose(session, state, shared, n_draft)``; optionally
+        ``check(target_config, drafter_config)``,
+        ``recommended_block_size(config, path)``, ``settings`` and an instance
+        ``commit(session, state, accepted)`` called after every acceptance.
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -242,11 +265,14 @@ def mtpflow_register_drafters(register):
 
 
 @hookspec
-def mtpflow_register_batch_policies(register):
-    """Register batch policies (which requests decode together).
+def mtpflow_register_batch_policies(register: Register) -> None:
+    """Register batch policies (``[batch] policy``: which requests decode together).
 
-    :param register: ``register(name, factory)``; ``factory(config)`` returns an
-        object with ``admit(waiting, live, capacity)``.
+    :param register: ``register(name, factory)``; ``factory(config)`` returns
+        a :class:`mtpflow.api.BatchPolicy`: ``admit(waiting, live, started)``
+        (the prefix of ``waiting`` to prefill now; ``live`` rows are decoding,
+        ``started``: a batch is running) and ``joins_between_rounds`` (whether
+        requests may join a running batch).
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -254,11 +280,12 @@ def mtpflow_register_batch_policies(register):
 
 
 @hookspec
-def mtpflow_register_block_policies(register):
-    """Register block-size policies.
+def mtpflow_register_block_policies(register: Register) -> None:
+    """Register block-size policies (``[draft] policy``).
 
-    :param register: ``register(name, factory)``; ``factory(config)`` returns an
-        object with ``block_size(stats)`` and ``observe(record)``.
+    :param register: ``register(name, factory)``; ``factory(config)`` returns
+        a :class:`mtpflow.api.BlockPolicy`: ``block_size(stats)`` (tokens to
+        verify this round) and ``observe(record)`` (after every round).
     :return: ignored.
 
     .. versionadded:: 0.1
@@ -266,11 +293,14 @@ def mtpflow_register_block_policies(register):
 
 
 @hookspec
-def mtpflow_register_targets(register):
+def mtpflow_register_targets(register: Register) -> None:
     """Register target adapters by HF ``model_type``.
 
     :param register: ``register(model_type, adapter_cls)``; ``adapter_cls``
-        must provide ``from_path(path, config)``.
+        satisfies :class:`mtpflow.api.Target`: ``from_path(path, config,
+        dtype)`` builds an adapter with ``forward``, ``logits``, ``embed``,
+        ``make_cache``, ``set_offsets``, ``shared_kv`` and ``compact``
+        (subclass :class:`mtpflow.targets.base.TargetAdapter`).
     :return: ignored.
 
     .. versionadded:: 0.1

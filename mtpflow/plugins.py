@@ -21,6 +21,7 @@ import warnings
 from importlib import metadata
 from typing import Any, Callable
 
+import attrs
 import pluggy
 
 from . import hookspecs
@@ -42,28 +43,22 @@ class PluginError(Exception):
     """A plugin is missing, broken, or registered something invalid."""
 
 
-# What each registry checks at registration time: required attributes.
-_REQUIRED: dict[str, tuple[str, ...]] = {
-    "lm_heads": ("from_config",),
-    "samplers": ("__call__",),
-    "logits_processors": ("__call__",),
-    "drafters": ("model_types", "needs", "load"),
-    "batch_policies": ("__call__",),
-    "block_policies": ("__call__",),
-    "targets": ("from_path",),
-}
-
-
 class Registry:
-    """Name -> object, owned by the host.  ``register`` is handed to plugins."""
+    """Name -> object, owned by the host.  ``register`` is handed to plugins;
+    what it accepts is the kind's protocol (:data:`mtpflow.api.KINDS`)."""
 
     def __init__(self, kind: str):
+        from .api import KINDS
+
         self.kind = kind
+        self.spec = KINDS[kind]
         self._items: dict[str, Any] = {}
         self._owner: dict[str, str] = {}
         self._current_plugin = "?"
 
     def register(self, name: str, obj: Any) -> None:
+        from .api import check_needs
+
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {self._current_plugin!r}: {self.kind} name must be a non-empty string")
         if name in self._items:
@@ -71,11 +66,21 @@ class Registry:
                 f"plugin {self._current_plugin!r} registers {self.kind} {name!r}, "
                 f"already registered by plugin {self._owner[name]!r}"
             )
-        missing = [a for a in _REQUIRED[self.kind] if not hasattr(obj, a)]
+        missing = self.spec.missing(obj)
         if missing:
+            what = self.spec.registered.__name__ if self.spec.registered is not None else "a factory"
             raise PluginError(
                 f"plugin {self._current_plugin!r}: {self.kind} {name!r} lacks required "
-                f"attribute(s) {', '.join(missing)}"
+                f"attribute(s) {', '.join(missing)} (see mtpflow.api.{what})"
+            )
+        if self.kind == "drafters":
+            why = check_needs(obj.needs)
+            if why:
+                raise PluginError(f"plugin {self._current_plugin!r}: drafters {name!r}: {why}")
+        settings = getattr(obj, "settings", None)
+        if settings is not None and not attrs.has(settings):
+            raise PluginError(
+                f"plugin {self._current_plugin!r}: {self.kind} {name!r}: settings must be an attrs class, got {settings!r}"
             )
         self._items[name] = obj
         self._owner[name] = self._current_plugin
@@ -85,7 +90,7 @@ class Registry:
             return self._items[name]
         except KeyError:
             known = ", ".join(sorted(self._items)) or "none"
-            raise PluginError(f"unknown {self.kind[:-1].replace('_', ' ')} {name!r} (registered: {known})") from None
+            raise PluginError(f"unknown {self.spec.singular} {name!r} (registered: {known})") from None
 
     def names(self) -> list[str]:
         return sorted(self._items)
@@ -115,14 +120,66 @@ class Plugins:
         except KeyError:
             raise AttributeError(kind) from None
 
+    # -- settings ----------------------------------------------------------------
+    def settings_for(self, name: str, obj: Any, config) -> Any:
+        """The validated settings instance for the object registered as
+        ``name`` (its ``settings`` attrs class, from ``[plugins.NAME]``), or
+        ``None`` when it declares no settings."""
+        from .config import ConfigError, structure_settings
+
+        cls = getattr(obj, "settings", None)
+        table = config.plugins.settings.get(name) if config is not None else None
+        if cls is None:
+            if table:
+                raise ConfigError(f"$.plugins.{name}: the plugin registered as {name!r} takes no settings")
+            return None
+        return structure_settings(cls, table or {}, f"$.plugins.{name}")
+
+    def check_settings(self, config) -> None:
+        """Every ``[plugins.NAME]`` table names a registered object and is valid for it."""
+        from .config import ConfigError
+
+        for name in config.plugins.settings:
+            owners = [reg for reg in self.registries.values() if name in reg]
+            if not owners:
+                known = sorted({n for reg in self.registries.values() for n in reg.names() if getattr(reg.get(n), "settings", None)})
+                raise ConfigError(
+                    f"$.plugins.{name}: no plugin registered {name!r}; names that take settings: {', '.join(known) or 'none'}"
+                )
+            for reg in owners:
+                self.settings_for(name, reg.get(name), config)
+
+    def build(self, kind: str, name: str, config, *args, **kwargs):
+        """Call the factory registered as ``name`` in ``kind`` with ``args``,
+        adding ``settings=`` when it declares settings."""
+        factory = self.registries[kind].get(name)
+        settings = self.settings_for(name, factory, config)
+        if settings is not None:
+            kwargs["settings"] = settings
+        obj = factory(*args, **kwargs)
+        spec = self.registries[kind].spec
+        missing = spec.missing(obj, spec.built) if spec.built is not None else []
+        if missing:
+            raise PluginError(
+                f"plugin {self.registries[kind].owner(name)!r}: the {spec.singular} {name!r} built an object "
+                f"lacking {', '.join(missing)} (see mtpflow.api.{spec.built.__name__})"
+            )
+        return obj
+
     def describe(self) -> list[dict]:
-        """JSON-ready list: name, version, hooks of every plugin (like ``llm plugins``)."""
+        """JSON-ready list: name, version, hooks of every plugin (like ``llm
+        plugins``), and per registry the names it registered."""
         out = []
         for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
             if plugin is None:
                 continue
             hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
-            out.append({"name": name, "version": self.versions.get(name), "hooks": hooks})
+            registered = {}
+            for kind, reg in sorted(self.registries.items()):
+                names = [n for n in reg.names() if reg.owner(n) == name]
+                if names:
+                    registered[kind] = names
+            out.append({"name": name, "version": self.versions.get(name), "hooks": hooks, "registered": registered})
         return out
 
 
@@ -181,12 +238,17 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
             if item in block:
                 raise PluginError(f"plugin {item!r} is named in the config but blocked by MTPFLOW_BLOCK_PLUGINS")
             if pm.has_plugin(item):
-                continue
+                continue  # named twice: loaded once
             try:
                 mod = importlib.import_module(item)
             except Exception as exc:
                 raise PluginError(f"plugin {item!r} named in the config could not be imported: {exc}") from exc
-            pm.register(mod, name=item)
+            if pm.is_registered(mod):
+                continue  # an installed plugin, already loaded through its entry point
+            try:
+                pm.register(mod, name=item)
+            except Exception as exc:  # e.g. pluggy rejecting the module's hooks
+                raise PluginError(f"plugin {item!r} named in the config could not be registered: {exc}") from exc
             versions[item] = getattr(mod, "__version__", "unknown")
         else:
             name = getattr(item, "__name__", None) or type(item).__name__
@@ -199,7 +261,9 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
 
-    registries = {kind: Registry(kind) for kind in _REQUIRED}
+    from .api import KINDS
+
+    registries = {kind: Registry(kind) for kind in KINDS}
     for kind, reg in registries.items():
         caller = getattr(pm.hook, f"mtpflow_register_{kind}")
         for impl in caller.get_hookimpls():  # registration order: built-ins first

@@ -813,6 +813,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-block-size", type=int, help="tokens verified per round (default: $MTPFLOW_DRAFT_BLOCK_SIZE)")
     parser.add_argument("--config", help="TOML config file or a shipped config's name; flags override it (default: none)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default float32)")
+    parser.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
+                        help="set any config key, e.g. plugins.NAME.key=0.7 (a TOML value); repeatable (default: none)")
     parser.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
                         help="info: one line per request; debug: also every round (default info)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -848,7 +850,7 @@ def serve_config_from_args(args):
         "draft": {"block_size": block},
         "batch": {"max_batch_size": args.max_batch_size},
     }
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, sets=getattr(args, "sets", None))
     if cfg.batch.policy == "static":
         cfg = _evolve(cfg, batch=_evolve(cfg.batch, policy="continuous"))
     return cfg

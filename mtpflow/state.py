@@ -112,6 +112,10 @@ class VerifyResult:
 
     logits: Any = array_field()
     hidden: Any = array_field()
+    #: the verified inputs ``[B, k+1]`` and, when a drafter needs target
+    #: layers, their hidden states ``{N: [B, k+1, D]}``
+    inputs: Any = array_field(default=None)
+    taps: dict = array_field(factory=dict)
 
 
 @frozen(kw_only=True)
@@ -149,10 +153,49 @@ class BatchState:
     positions: Any = array_field()  # [B] int32 (device copy of row.position)
     round: int = 0
     keys: Any = array_field(default=None)  # per-row PRNG keys for sampling
+    #: what the target's last forward computed, for drafters that read target
+    #: layers (``needs`` with ``"layer:N"``): ``fwd_tokens`` ``[B, L]`` its
+    #: inputs, ``fwd_positions`` ``[B, L]`` their positions (``-1``: padding
+    #: or a rejected draft), ``taps`` ``{N: [B, L, D]}`` the residual stream
+    #: entering layer ``N`` at each input.  Set by prefill (the prompt) and by
+    #: advance (the verified block, before the drafter's ``commit``).
+    fwd_tokens: Any = array_field(default=None)
+    fwd_positions: Any = array_field(default=None)
+    taps: dict = array_field(factory=dict)
 
     @property
     def size(self) -> int:
         return len(self.rows)
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in that order): rows that finished leave."""
+        import mlx.core as mx
+
+        idx = mx.array(keep, dtype=mx.int32)
+        for c in self.cache:
+            c.select(idx)
+        self.rows = [self.rows[i] for i in keep]
+        self.last_tokens = self.last_tokens[idx]
+        self.hidden = self.hidden[idx]
+        self.positions = self.positions[idx]
+        self.fwd_tokens = self.fwd_positions = None  # consumed by the drafter already
+        self.taps = {}
+        for c in self.cache:  # all caches share the one positions array after select
+            c.offset = self.positions
+
+    def merge(self, new: "BatchState") -> None:
+        """Append the rows of a freshly prefilled batch (continuous batching)."""
+        import mlx.core as mx
+
+        from .targets.cache import merge_caches
+
+        self.cache = merge_caches([self.cache, new.cache])
+        self.rows = self.rows + new.rows
+        self.last_tokens = mx.concatenate([self.last_tokens, new.last_tokens])
+        self.hidden = mx.concatenate([self.hidden, new.hidden])
+        self.positions = mx.concatenate([self.positions, new.positions])
+        self.fwd_tokens = self.fwd_positions = None  # consumed by the drafter already
+        self.taps = {}
 
 
 @frozen(kw_only=True)

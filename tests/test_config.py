@@ -87,7 +87,7 @@ def test_default_file_mentions_every_key():
         for f in attrs.fields(cls):
             # written as a key, or commented out when its default is "unset"
             assert re.search(rf"^#?\s*{f.name} = ", text, re.M), f"{section}.{f.name}"
-    assert re.search(r"^plugins = \[\]$", text, re.M)
+    assert re.search(r"^\[plugins\]$", text, re.M) and re.search(r"^load = \[\]$", text, re.M)
 
 
 # --------------------------------------------------------------------------------------
@@ -179,6 +179,8 @@ def test_wrong_type_or_value_has_its_path(data, path):
     [
         ({"trace": {"sync_timing": "no"}}, "$.trace.sync_timing"),
         ({"plugins": "my_plugin"}, "$.plugins"),
+        ({"plugins": {"load": "my_plugin"}}, "$.plugins"),
+        ({"plugins": {"fixed_temp": 3}}, "$.plugins.fixed_temp"),
         ({"draft": {"block_size": 2.5}}, "$.draft.block_size"),
     ],
 )

@@ -26,7 +26,7 @@ def test_builtins_are_the_entry_point_group():
 
 def test_registries_hold_the_builtins_with_owners():
     p = make_plugin_manager(autoload=False)
-    assert p.lm_heads.names() == ["centroid", "tied_dense"]
+    assert p.lm_heads.names() == ["centroid", "own", "target", "target_subset", "tied_dense"]
     assert {"greedy", "rejection"} <= set(p.samplers.names())
     assert "mtp" in p.drafters
     assert {"static", "continuous"} <= set(p.batch_policies.names())
@@ -53,7 +53,7 @@ def test_duplicate_and_incomplete_registrations_fail_naming_the_plugin():
         def mtpflow_register_drafters(self, register):
             register("half", types.SimpleNamespace(needs=frozenset()))
 
-    with pytest.raises(PluginError, match=r"drafters 'half' lacks required attribute\(s\) model_types, load"):
+    with pytest.raises(PluginError, match=r"drafters .half. lacks required attribute\(s\) model_types, load, propose"):
         make_plugin_manager([Broken()], autoload=False)
 
 
@@ -194,7 +194,8 @@ def test_a_plugin_can_replace_a_stage():
 
 
 def test_import_mtpflow_is_light():
-    code = "import sys, mtpflow, mtpflow.hookspecs, mtpflow.config, mtpflow.state; print('mlx' in sys.modules)"
+    code = ("import sys, mtpflow, mtpflow.hookspecs, mtpflow.config, mtpflow.state, mtpflow.api, mtpflow.engine; "
+            "print('mlx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

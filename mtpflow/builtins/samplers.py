@@ -13,13 +13,15 @@ class _Processors:
     """Applies the configured logits-processor plugins (resolved once)."""
 
     def __init__(self, config=None, processors=()):
+        from mtpflow.processors import with_drafts
+
         self.config = config
-        self.processors = list(processors)
+        self.processors = [with_drafts(p) for p in processors]
         self.rows = []
 
-    def _pre(self, logits, rows):
+    def _pre(self, logits, rows, drafts=None):
         for proc in self.processors:
-            logits = proc(logits, rows)
+            logits = proc(logits, rows, drafts=drafts)
         return logits
 
 
@@ -42,7 +44,7 @@ class GreedySampler(_Processors):
         from mtpflow.sampling import greedy_accept
         from mtpflow.state import AcceptResult
 
-        counts, tokens = greedy_accept(self._pre(logits, state.rows), draft.tokens, draft.active)
+        counts, tokens = greedy_accept(self._pre(logits, state.rows, draft.tokens), draft.tokens, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
 
@@ -64,7 +66,7 @@ class RejectionSampler(_Processors):
         from mtpflow.sampling import ProcessParams, row_keys
 
         self.rows = list(rows)
-        self.params = ProcessParams.from_rows([r.request.sampling for r in rows], vocab_size)
+        self.params = ProcessParams.from_rows([self.sampling_of(r) for r in rows], vocab_size)
         fresh = [r for r in rows if r.rng is None]  # each row carries its own PRNG key
         if fresh:
             import secrets
@@ -74,6 +76,11 @@ class RejectionSampler(_Processors):
             keys = row_keys(seeds)
             for i, r in enumerate(fresh):
                 r.rng = keys[i]
+
+    def sampling_of(self, row):
+        """The :class:`~mtpflow.state.SamplingParams` a row is sampled with
+        (its request's; a subclass may override them)."""
+        return row.request.sampling
 
     def _round_keys(self, rows):
         """This round's key per row; each row's stored key advances."""
@@ -118,7 +125,7 @@ class RejectionSampler(_Processors):
         from mtpflow.state import AcceptResult
 
         self._sync(state.rows)
-        logits = self._pre(logits, state.rows)
+        logits = self._pre(logits, state.rows, draft.tokens)
         if self.params.all_greedy and self._context(state.rows) is None:
             # greedy rows need no randomness and no vocab-sized one-hots
             counts, tokens = greedy_accept(logits, draft.tokens, draft.active)

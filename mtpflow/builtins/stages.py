@@ -40,44 +40,52 @@ def mtpflow_prefill(session, requests):
     unique: dict[tuple, int] = {}
     index = [unique.setdefault(tuple(r.prompt), len(unique)) for r in requests]
     prompts = [list(p) for p in unique]
-    lens = [len(p) for p in prompts]
-    if min(lens) < 1:
-        raise ValueError("every prompt needs at least one token")
-    L = max(lens)
-    tokens = mx.array([[PAD_ID] * (L - n) + p for p, n in zip(prompts, lens)], dtype=mx.int32)
-    cache = target.make_cache(extra=session.max_block_size + 8)
-    target.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
-    step = session.config.batch.prefill_step_size
-    for s in range(0, L, step):
-        hidden = target.forward(tokens[:, s : s + step], cache)
-        if s + step < L:
-            mx.eval([c.keys for c in cache] + [c.values for c in cache])
-            target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
-    last_hidden = hidden[:, -1]
+    layers = session.tap_layers
+    out = target.prefill(
+        prompts, extra=session.max_block_size + 8, step=session.config.batch.prefill_step_size, pad_id=PAD_ID,
+        taps=layers,
+    )
+    cache, last_hidden = out[0], out[1]
+    taps = out[2] if layers else {}
+    if layers:
+        L = max(len(p) for p in prompts)
+        fwd_tokens = mx.array([[PAD_ID] * (L - len(p)) + p for p in prompts], dtype=mx.int32)
+        fwd_positions = mx.array([[-1] * (L - len(p)) + list(range(len(p))) for p in prompts], dtype=mx.int32)
     if len(prompts) != len(requests):
         sel = mx.array(index, dtype=mx.int32)
         for c in cache:
             c.select(sel)
         last_hidden = last_hidden[sel]
+        if layers:
+            fwd_tokens, fwd_positions = fwd_tokens[sel], fwd_positions[sel]
+            taps = {k: v[sel] for k, v in taps.items()}
     rows = [RowState(request=r, position=len(r.prompt)) for r in requests]
     session.sampler.prepare(rows, target.vocab_size)
     first = session.sampler.first(target.logits(last_hidden), None)
     mx.eval(first, last_hidden)
     for row, tok in zip(rows, first.tolist()):
         _finish(row, [tok])
-    return BatchState(
+    state = BatchState(
         rows=rows,
         cache=cache,
         last_tokens=first,
         hidden=last_hidden,
         positions=mx.array([r.position for r in rows], dtype=mx.int32),
     )
+    if layers:
+        state.fwd_tokens, state.fwd_positions, state.taps = fwd_tokens, fwd_positions, taps
+    prefilled = getattr(session.drafter, "prefilled", None)
+    if prefilled is not None:
+        prefilled(session, state)  # a drafter with its own cache takes in the new rows' prompts
+    return state
 
 
 @hookimpl
 def mtpflow_bind_shared_kv(session, state):
+    # only what the drafter declared it needs
+    needs = getattr(session.drafter, "needs", frozenset())
     return SharedKV(
-        kv=session.target.shared_kv(state.cache),
+        kv=session.target.shared_kv(state.cache) if "shared_kv" in needs else {},
         bonus_position=state.positions,
         hidden=state.hidden,
         last_tokens=state.last_tokens,
@@ -98,8 +106,8 @@ def mtpflow_verify(session, state, draft):
     target = session.target
     inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
     target.set_offsets(state.cache, state.positions)
-    hidden = target.forward(inputs, state.cache)
-    return VerifyResult(logits=target.logits(hidden), hidden=hidden)
+    hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers)
+    return VerifyResult(logits=target.logits(hidden), hidden=hidden, inputs=inputs, taps=taps)
 
 
 @hookimpl
@@ -120,7 +128,13 @@ def mtpflow_advance(session, state, draft, verify, accepted):
         c.rollback(k + 1, keep, next_pos, trim, ragged)
     state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
     state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
+    if verify.taps:  # the verified block, for a drafter that reads target layers
+        rel = mx.arange(k + 1, dtype=mx.int32)[None]
+        state.fwd_tokens, state.taps = verify.inputs, verify.taps
+        state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
     state.positions = next_pos
+    if session.drafter_commit is not None:
+        session.drafter_commit(session, state, accepted)  # the drafter's own state follows acceptance
     emitted = []
     for row, t, n in zip(state.rows, toks, counts):
         row.position += n + 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import IncompatibleDrafter, TargetError  # noqa: F401  (re-exported)
+
 
 def recommended_block_size(config: dict, path: str | Path | None = None) -> int | None:
     """The block size (drafts + 1) a drafter checkpoint recommends, if any.
@@ -28,3 +30,47 @@ def recommended_block_size(config: dict, path: str | Path | None = None) -> int 
             if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                 return n + 1
     return None
+
+
+def load_weights(model, path, dtype: str | None, what: str = "drafter checkpoint", defaults: dict | None = None) -> None:
+    """Read every ``*.safetensors`` of ``path`` into ``model`` (through its
+    ``sanitize`` when it has one), cast floats to ``dtype``, strictly: a
+    missing or extra tensor is a one-line error naming the folder.
+    ``defaults``: tensors to use where the checkpoint has none."""
+    import mlx.core as mx
+
+    from ..targets.base import cast_floats, load_safetensors
+
+    weights = load_safetensors(path, what)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    for k, v in (defaults or {}).items():
+        weights.setdefault(k, v)
+    weights = cast_floats(weights, dtype or "float32")
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise TargetError(f"{path}: {what} weights do not match its config.json ({exc})") from None
+    mx.eval(model.parameters())
+
+
+class _HeadWithSettings:
+    """A registered head class whose ``from_config`` also receives its settings."""
+
+    def __init__(self, cls, settings):
+        self.cls, self.settings = cls, settings
+        self.input_space = getattr(cls, "input_space", "target")
+
+    def from_config(self, config, vocab_size: int, hidden_size: int, **context):
+        return self.cls.from_config(config, vocab_size, hidden_size, settings=self.settings, **context)
+
+
+def head_class(options, name: str):
+    """The LM head class for a drafter: ``[draft] head`` when set (not
+    ``"auto"``), else ``name``, the checkpoint's own head.  A head that
+    declares settings gets its ``[plugins.NAME]`` table through ``from_config``."""
+    chosen = getattr(options, "head", "auto") or "auto"
+    name = name if chosen == "auto" else chosen
+    cls = options.plugins.lm_heads.get(name)
+    settings = options.plugins.settings_for(name, cls, getattr(options, "config", None))
+    return cls if settings is None else _HeadWithSettings(cls, settings)

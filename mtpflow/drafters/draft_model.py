@@ -7,11 +7,10 @@ its own :class:`~mtpflow.targets.cache.SlotKVCache` (per-row positions).
 One :meth:`DraftModelDrafter.propose` per round, for the whole batch, with no
 host synchronisation inside; it
 
-1. brings its per-row bookkeeping up to date with the rows' host-side token
-   lists: how many of last round's proposals each row accepted follows from
-   the row's position (``row.position - p0 - 1``), so the slots of the rejected
-   proposals are invalidated (and trailing slots rejected by every row
-   trimmed) -- the drafter's own rollback;
+1. relies on :meth:`DraftModelDrafter.commit`, called by the engine after
+   acceptance, which keeps each row's accepted proposals in the draft cache,
+   invalidates the rejected ones and trims trailing slots rejected by every
+   row -- the drafter's own rollback;
 2. follows batch changes keyed by ``request.id``: rows that left are selected
    out of the cache, rows that joined are prefilled (left padding, negative
    positions) in a fresh cache that is merged in;
@@ -34,12 +33,13 @@ import mlx.core as mx
 
 from ..state import DraftBlock
 from ..targets.base import TargetError, read_config
+from .base import IncompatibleDrafter
 from ..targets.cache import merge_caches
 
 PAD_ID = 0
 
 
-class DraftModelError(TargetError):
+class DraftModelError(IncompatibleDrafter):
     """The draft model cannot draft for this target."""
 
 
@@ -175,24 +175,22 @@ class DraftModelDrafter:
                 pos = c.positions[:, : c.idx]
                 c.positions[:, : c.idx] = mx.where(pos >= limit[:, None], -1, pos)
 
-    def _rollback(self, state) -> None:
-        """Account for last round's acceptance; invalidate/trim rejected drafts."""
-        if self.cache is None:
-            return
-        one_round = self.round is not None and state.round == self.round + 1
-        live = {r.request.id: r for r in state.rows}
-        kept_draft = 0
-        for rid in self.ids:
-            info, row = self.rows[rid], live.get(rid)
-            if row is None or row.request is not info.request or info.p0 is None:
-                continue
-            # accepted proposals n = row.position - p0 - 1 when exactly one round ran;
-            # otherwise keep only what was verified before drafting (always correct)
-            n = row.position - info.p0 - 1 if one_round else 0
-            n = max(0, min(n, self.tail))
+    def commit(self, session, state, accepted) -> None:
+        """After acceptance (once per round): keep each row's accepted
+        proposals in the draft cache, invalidate the rejected ones and trim
+        the slots every row rejected.  ``accepted.counts``: host list, in the
+        order of ``state.rows`` (the cache's order since this round's propose)."""
+        if self.cache is None or self.round != state.round or not self.tail:
+            return  # no proposal of ours in this round
+        kept = 0
+        for rid, n in zip(self.ids, accepted.counts):
+            info = self.rows[rid]
+            n = max(0, min(int(n), self.tail))
             info.fed = info.p0 + 1 + n
-            kept_draft = max(kept_draft, n)
-        trim = self.tail - kept_draft
+            kept = max(kept, n)
+        self._drop_tail(self.tail - kept)
+
+    def _drop_tail(self, trim: int) -> None:
         if trim:
             for c in self.cache:
                 c.idx -= trim
@@ -200,21 +198,20 @@ class DraftModelDrafter:
         limit = mx.array([self.rows[rid].fed for rid in self.ids], dtype=mx.int32)
         self._invalidate_from(limit)
 
+    def _rollback(self) -> None:
+        """A proposal that was never committed (a replaced accept stage, an
+        aborted round): keep only what was verified before it."""
+        if self.cache is None or not self.tail:
+            return
+        for rid in self.ids:
+            info = self.rows[rid]
+            if info.p0 is not None:
+                info.fed = info.p0 + 1
+        self._drop_tail(self.tail)
+
     def _prefill(self, seqs: list[list[int]]):
         """A fresh cache holding ``seqs`` (left padded, negative positions)."""
-        target = self.model
-        lens = [len(s) for s in seqs]
-        L = max(lens)
-        tokens = mx.array([[PAD_ID] * (L - n) + s for s, n in zip(seqs, lens)], dtype=mx.int32)
-        cache = target.make_cache(extra=self.extra)
-        target.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
-        step = self.prefill_step
-        for s in range(0, L, step):
-            target.forward(tokens[:, s : s + step], cache)
-            if s + step < L:
-                mx.eval([c.keys for c in cache] + [c.values for c in cache])
-                target.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
-        return cache
+        return self.model.prefill(seqs, extra=self.extra, step=self.prefill_step, pad_id=PAD_ID)[0]
 
     def _sync_rows(self, state) -> None:
         """Make the cache rows the state's rows, in the state's order."""
@@ -254,7 +251,7 @@ class DraftModelDrafter:
         if n_draft <= 0:
             return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
         target = self.model
-        self._rollback(state)
+        self._rollback()
         self._sync_rows(state)
         infos = [self.rows[rid] for rid in self.ids]
         fed = [i.fed for i in infos]

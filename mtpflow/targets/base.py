@@ -21,15 +21,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..errors import TargetError  # noqa: F401  (re-exported)
 from ..state import KVView
 from .cache import SlotKVCache
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-
-
-class TargetError(ValueError):
-    """A target checkpoint cannot be used."""
 
 
 def read_config(path: Path) -> dict:
@@ -88,8 +85,40 @@ def read_eos_ids(path: Path, config: dict) -> set[int]:
     return {int(i) for i in ids}
 
 
+class Ref:
+    """Holds an object outside an ``nn.Module``'s tree (not a parameter, not saved)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+class _Tap:
+    """Stands in for one decoder layer during a forward: records the residual
+    stream entering it (and, for the last layer, what leaves it)."""
+
+    def __init__(self, layer, index: int, store: dict, want: set, n_layers: int):
+        self._layer, self._index, self._store, self._want, self._n = layer, index, store, want, n_layers
+
+    def __call__(self, x, *args, **kwargs):
+        if self._index in self._want:
+            self._store[self._index] = x
+        out = self._layer(x, *args, **kwargs)
+        if self._index == self._n - 1 and self._n in self._want:
+            self._store[self._n] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
 class TargetAdapter:
-    """Base class; subclasses set the attributes below in ``__init__``."""
+    """Base class; subclasses set the attributes below in ``__init__``.
+
+    ``inner`` is the decoder body (embedding, layers, final norm) of the
+    mlx-lm model; ``lm_head_module`` the untied output projection (``None``
+    when the head is the tied embedding); ``softcap`` the final logit
+    softcapping (``None``: none).
+    """
 
     model_types: tuple[str, ...] = ()
     hidden_size: int
@@ -101,22 +130,67 @@ class TargetAdapter:
     eos_ids: set[int]
     path: Path
     model: Any
+    inner: Any
+    softcap: float | None = None
 
     # subclasses implement
     def forward(self, tokens: mx.array, cache: list) -> mx.array:  # pragma: no cover
         raise NotImplementedError
 
-    def logits(self, hidden: mx.array) -> mx.array:  # pragma: no cover
-        raise NotImplementedError
-
     def embed(self, tokens: mx.array) -> mx.array:  # pragma: no cover
         raise NotImplementedError
+
+    @property
+    def lm_head_module(self):  # pragma: no cover
+        raise NotImplementedError
+
+    # shared by every architecture
+    def softcapped(self, logits: mx.array) -> mx.array:
+        """``logits`` through the target's final softcapping (if any)."""
+        cap = self.softcap
+        return mx.tanh(logits / cap) * cap if cap else logits
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The target's output logits from post-norm hidden states (softcapping included)."""
+        head = self.lm_head_module
+        out = head(hidden) if head is not None else self.inner.embed_tokens.as_linear(hidden)
+        return self.softcapped(out)
+
+    def output_rows(self, ids: mx.array) -> mx.array:
+        """Rows ``ids`` of the output (LM-head) matrix, ``[K, D]`` (a tied head:
+        the raw, unscaled input embedding; quantized ones dequantize)."""
+        head = self.lm_head_module
+        if head is None:
+            return self.inner.embed_tokens(ids)
+        if "scales" in head:
+            raise ValueError("a draft vocabulary needs an unquantized LM head on an untied target")
+        return head.weight[ids]
 
     def final_norm(self, x: mx.array) -> mx.array:
         """The target's final norm (what turns its last residual stream into
         the post-norm hidden state ``forward`` returns)."""
-        inner = getattr(self, "inner", None) or self.model.model
-        return inner.norm(x)
+        return self.inner.norm(x)
+
+    @property
+    def decoder_layers(self) -> list:
+        return list(self.inner.layers)
+
+    def rope(self, layer_type: str, head_dim: int):
+        """The RoPE module of the target's store layer of ``layer_type`` (or
+        one built from its config with mlx-lm's ``initialize_rope``)."""
+        idx = self.store_layers.get(layer_type)
+        layers = self.decoder_layers
+        if idx is not None and idx < len(layers):
+            attn = getattr(layers[idx], "self_attn", None)
+            rope = getattr(attn, "rope", None)
+            if rope is not None:
+                return rope
+        from mlx_lm.models.rope_utils import initialize_rope
+
+        tc = dict(self.config.get("text_config") or self.config)
+        rp = (tc.get("rope_parameters") or {}).get(layer_type) or tc.get("rope_scaling")
+        base = (rp or {}).get("rope_theta", tc.get("rope_theta", 10000.0))
+        return initialize_rope(head_dim, base, False, rp, tc.get("max_position_embeddings", 4096))
 
     @property
     def cache_layer_types(self) -> list[str]:
@@ -131,6 +205,53 @@ class TargetAdapter:
             else:
                 out.append(SlotKVCache())
         return out
+
+    def forward_with_taps(self, tokens: mx.array, cache: list, layers=()):
+        """:meth:`forward`, and the hidden states of the target ``layers``:
+        ``{l: [B, L, D]}``, the residual stream entering decoder layer ``l``
+        (vLLM's / EAGLE-3's convention; ``l = num_layers``: the last layer's
+        output before the final norm).  No extra host synchronisation: the
+        taps are lazy arrays of the same graph."""
+        if not layers:
+            return self.forward(tokens, cache), {}
+        inner = self.inner
+        orig = list(inner.layers)
+        n = len(orig)
+        want = set(layers)
+        store: dict = {}
+        inner.layers = [_Tap(layer, i, store, want, n) if (i in want or i == n - 1) else layer for i, layer in enumerate(orig)]
+        try:
+            hidden = self.forward(tokens, cache)
+        finally:
+            inner.layers = orig
+        return hidden, {lid: store[lid] for lid in layers}
+
+    def prefill(self, seqs: list[list[int]], extra: int = 16, step: int = 512, pad_id: int = 0, taps=()):
+        """A fresh cache holding ``seqs`` (left padded: padding has negative
+        positions), filled ``step`` tokens at a time (the cache is compacted
+        between chunks, so a long prompt never holds more than one chunk of
+        sliding-window slack).  Returns ``(cache, last_hidden [B, D])``, the
+        post-norm hidden state at every row's last token -- and, with
+        ``taps`` (layer ids), a third item: ``{l: [B, L, D]}`` over every
+        (padded) prompt position, see :meth:`forward_with_taps`."""
+        lens = [len(p) for p in seqs]
+        if min(lens) < 1:
+            raise ValueError("every prompt needs at least one token")
+        L = max(lens)
+        tokens = mx.array([[pad_id] * (L - n) + list(p) for p, n in zip(seqs, lens)], dtype=mx.int32)
+        cache = self.make_cache(extra=extra)
+        self.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+        chunks: dict = {lid: [] for lid in taps}
+        for s in range(0, L, step):
+            hidden, got = self.forward_with_taps(tokens[:, s : s + step], cache, taps)
+            for lid, h in got.items():
+                chunks[lid].append(h)
+            if s + step < L:
+                mx.eval([c.keys for c in cache] + [c.values for c in cache] + [h for hs in chunks.values() for h in hs])
+                self.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
+        if not taps:
+            return cache, hidden[:, -1]
+        return cache, hidden[:, -1], {lid: mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0] for lid, hs in chunks.items()}
 
     def set_offsets(self, cache: list[SlotKVCache], offsets: mx.array) -> None:
         for c in cache:

@@ -67,6 +67,7 @@ class Gemma4Target(TargetAdapter):
 
     def __init__(self, model, config: dict, path: Path):
         self.model = model  # mlx_lm gemma4_text.Model
+        self.inner = model.model
         self.config = config
         self.tc = text_config(config)
         self.path = Path(path)
@@ -78,6 +79,27 @@ class Gemma4Target(TargetAdapter):
         self.softcap = self.tc.get("final_logit_softcapping")
         self.eos_ids = read_eos_ids(path, config)
         self._embed_scale = mx.array(math.sqrt(self.hidden_size), dtype=mx.float32)
+
+    # -- config-only facts (no weights): used by drafter checks -----------------------
+    @classmethod
+    def text_config(cls, config: dict) -> dict:
+        return text_config(config)
+
+    @classmethod
+    def layer_types_of(cls, config: dict) -> list[str]:
+        return list(text_config(config)["layer_types"])
+
+    @classmethod
+    def attention_geometry(cls, config: dict) -> dict:
+        """``{layer_type: {num_attention_heads, num_key_value_heads, head_dim, scale, q_norm}}``
+        (Gemma 4: unit attention scale, query norms, full layers with their own geometry)."""
+        tc = text_config(config)
+        geo = head_geometry(tc)
+        return {
+            t: {"num_attention_heads": tc["num_attention_heads"], "num_key_value_heads": geo[t][0],
+                "head_dim": geo[t][1], "scale": 1.0, "q_norm": True}
+            for t in sorted(set(tc["layer_types"]))
+        }
 
     @classmethod
     def from_path(cls, path, config: dict | None = None, dtype: str | None = "float32") -> "Gemma4Target":
@@ -132,13 +154,9 @@ class Gemma4Target(TargetAdapter):
         """Post-norm final hidden state ``[B, L, D]`` (cache offsets set by the caller)."""
         return self.model.model(tokens, cache=cache)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """The target's output logits (final softcapping included)."""
-        m = self.model
-        out = m.model.embed_tokens.as_linear(hidden) if m.tie_word_embeddings else m.lm_head(hidden)
-        if self.softcap:
-            out = mx.tanh(out / self.softcap) * self.softcap
-        return out
+    @property
+    def lm_head_module(self):
+        return None if self.model.tie_word_embeddings else self.model.lm_head
 
     def embed(self, tokens: mx.array) -> mx.array:
         e = self.model.model.embed_tokens(tokens)

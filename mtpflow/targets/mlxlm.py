@@ -1,10 +1,12 @@
-"""Targets for other mlx-lm architectures (llama, qwen2, qwen3, mistral, gemma3).
+"""Targets for other mlx-lm architectures (llama, mistral, qwen2, qwen3, gemma3).
 
-mlx-lm's own model code runs unchanged on :class:`SlotKVCache`; this adapter
+mlx-lm's own model code runs unchanged on :class:`SlotKVCache`; an adapter
 only knows, per architecture, where the decoder body and the embedding are,
-how the input embedding is scaled and which layers use sliding attention.
-A third party adds another architecture by registering a subclass through
-``mtpflow_register_targets``.
+how the input embedding is scaled, which layers use sliding attention and the
+attention geometry (for drafters that read the target's K/V).  Each
+architecture difference is an attribute or a classmethod of its adapter
+class; a third party adds another architecture by registering a subclass
+through ``mtpflow_register_targets``.
 """
 
 from __future__ import annotations
@@ -16,40 +18,71 @@ import mlx.core as mx
 from .base import FULL, SLIDING, TargetAdapter, TargetError, read_config, read_eos_ids
 
 
-def layer_types_of(config: dict) -> list[str]:
-    """Attention type per layer, from ``layer_types`` or Gemma 3's pattern."""
-    n = config["num_hidden_layers"]
-    if config.get("layer_types"):
-        return list(config["layer_types"])
-    if config.get("model_type", "").startswith("gemma3"):
-        pattern = config.get("sliding_window_pattern", 6)
-        return [FULL if i % pattern == pattern - 1 else SLIDING for i in range(n)]
-    if config.get("use_sliding_window") and config.get("sliding_window"):
-        return [SLIDING] * n
-    return [FULL] * n
+def _text(config: dict) -> dict:
+    tc = dict(config.get("text_config") or config)
+    tc.setdefault("model_type", config.get("model_type"))
+    if "vocab_size" not in tc and "vocab_size" in config:
+        tc["vocab_size"] = config["vocab_size"]
+    return tc
 
 
 class MLXLMTarget(TargetAdapter):
-    model_types = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+    """llama / mistral / qwen2 (and the base of the other mlx-lm adapters)."""
+
+    model_types = ("llama", "mistral", "qwen2")
+    #: the attention normalises queries per head (qwen3, gemma)
+    q_norm = False
+    #: the input embedding is scaled by sqrt(hidden size) (gemma)
+    embed_scaled = False
 
     def __init__(self, model, config: dict, path: Path):
         self.model = model
         self.config = config
-        self.tc = dict(config.get("text_config") or config)
-        self.tc.setdefault("model_type", config.get("model_type"))
+        self.tc = _text(config)
         self.path = Path(path)
         self.inner = model.language_model.model if hasattr(model, "language_model") else model.model
         self.head_owner = model.language_model if hasattr(model, "language_model") else model
         self.hidden_size = self.tc["hidden_size"]
         self.vocab_size = self.tc.get("vocab_size") or config.get("vocab_size")
-        self.layer_types = layer_types_of(self.tc)
+        self.layer_types = self.layer_types_of(self.tc)
         self.sliding_window = self.tc.get("sliding_window") if SLIDING in self.layer_types else None
         self.store_layers = {t: max(i for i, lt in enumerate(self.layer_types) if lt == t) for t in set(self.layer_types)}
         self.eos_ids = read_eos_ids(path, config)
-        gemma = str(self.tc.get("model_type", "")).startswith("gemma")
-        # Gemma scales the input embedding by sqrt(D), rounded to bf16 as the model does
-        self._embed_scale = mx.array(self.hidden_size**0.5, mx.bfloat16) if gemma else None
+        # scaled by sqrt(D), rounded to bf16 as the model does
+        self._embed_scale = mx.array(self.hidden_size**0.5, mx.bfloat16) if self.embed_scaled else None
         self.softcap = self.tc.get("final_logit_softcapping")
+
+    # -- config-only facts (no weights): used by drafter checks -----------------------
+    @classmethod
+    def text_config(cls, config: dict) -> dict:
+        """The flat text config (``text_config`` of a multimodal config, else itself)."""
+        return _text(config)
+
+    @classmethod
+    def layer_types_of(cls, config: dict) -> list[str]:
+        """Attention type per layer, from ``layer_types`` or ``use_sliding_window``."""
+        tc = _text(config)
+        n = tc["num_hidden_layers"]
+        if tc.get("layer_types"):
+            return list(tc["layer_types"])
+        if tc.get("use_sliding_window") and tc.get("sliding_window"):
+            return [SLIDING] * n
+        return [FULL] * n
+
+    @classmethod
+    def attention_scale(cls, config: dict, head_dim: int) -> float:
+        return head_dim**-0.5
+
+    @classmethod
+    def attention_geometry(cls, config: dict) -> dict:
+        """``{layer_type: {num_attention_heads, num_key_value_heads, head_dim, scale, q_norm}}``."""
+        tc = _text(config)
+        nh = tc["num_attention_heads"]
+        hd = tc.get("head_dim") or tc["hidden_size"] // nh
+        kvh = tc.get("num_key_value_heads") or nh
+        geo = {"num_attention_heads": nh, "num_key_value_heads": kvh, "head_dim": hd,
+               "scale": cls.attention_scale(tc, hd), "q_norm": cls.q_norm}
+        return {t: dict(geo) for t in sorted(set(cls.layer_types_of(tc)))}
 
     @classmethod
     def from_path(cls, path, config: dict | None = None, dtype: str | None = "float32") -> "MLXLMTarget":
@@ -72,15 +105,40 @@ class MLXLMTarget(TargetAdapter):
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         return self.inner(tokens, cache=cache)
 
-    def logits(self, hidden: mx.array) -> mx.array:
+    @property
+    def lm_head_module(self):
         m = self.head_owner
-        out = m.lm_head(hidden) if hasattr(m, "lm_head") and not getattr(m, "tie_word_embeddings", False) and "lm_head" in m else self.inner.embed_tokens.as_linear(hidden)
-        if self.softcap:
-            out = mx.tanh(out / self.softcap) * self.softcap
-        return out
+        untied = "lm_head" in m and not getattr(m, "tie_word_embeddings", False)
+        return m.lm_head if untied else None
 
     def embed(self, tokens: mx.array) -> mx.array:
         e = self.inner.embed_tokens(tokens)
         if self._embed_scale is not None:
             e = e * self._embed_scale.astype(e.dtype)
         return e
+
+
+class Qwen3Target(MLXLMTarget):
+    model_types = ("qwen3",)
+    q_norm = True
+
+
+class Gemma3Target(MLXLMTarget):
+    """Gemma 3: a sliding/full layer pattern, a scaled embedding, query norms
+    and ``query_pre_attn_scalar``."""
+
+    model_types = ("gemma3_text", "gemma3")
+    q_norm = True
+    embed_scaled = True
+
+    @classmethod
+    def layer_types_of(cls, config: dict) -> list[str]:
+        tc = _text(config)
+        if tc.get("layer_types"):
+            return list(tc["layer_types"])
+        pattern = tc.get("sliding_window_pattern", 6)
+        return [FULL if i % pattern == pattern - 1 else SLIDING for i in range(tc["num_hidden_layers"])]
+
+    @classmethod
+    def attention_scale(cls, config: dict, head_dim: int) -> float:
+        return (config.get("query_pre_attn_scalar") or head_dim) ** -0.5

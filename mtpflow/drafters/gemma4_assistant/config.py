@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from ...targets.base import FULL, SLIDING
+from ..base import IncompatibleDrafter  # noqa: F401  (re-exported)
 from ...targets.gemma4 import head_geometry, text_config
 
 # Published pairings: which drafter goes with which target (for error messages).
@@ -16,10 +17,6 @@ KNOWN_PAIRS = {
     1536: "google/gemma-4-E2B-it-assistant (E2B targets)",
     2560: "google/gemma-4-E4B-it-assistant (E4B targets)",
 }
-
-
-class IncompatibleDrafter(ValueError):
-    """The drafter checkpoint does not fit the target checkpoint."""
 
 
 @attrs.frozen(kw_only=True)

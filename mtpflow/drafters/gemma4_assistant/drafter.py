@@ -7,7 +7,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...state import DraftBlock
-from ...targets.base import SLIDING, TargetError, cast_floats, load_safetensors, read_config
+from ...targets.base import SLIDING, read_config
+from ..base import head_class, load_weights
 from . import MODEL_TYPES
 from .config import check_compatible
 from .masks import drafter_mask
@@ -42,14 +43,8 @@ class Gemma4AssistantDrafter:
     def load(cls, path, target, options) -> "Gemma4AssistantDrafter":
         path = Path(path)
         acfg = check_compatible(target.config, read_config(path))
-        head_cls = options.plugins.lm_heads.get(acfg.head_kind)
-        model = Gemma4AssistantModel(acfg, head_cls)
-        weights = cast_floats(model.sanitize(load_safetensors(path, "drafter checkpoint")), options.dtype)
-        try:
-            model.load_weights(list(weights.items()), strict=True)
-        except ValueError as exc:
-            raise TargetError(f"{path}: drafter weights do not match its config.json ({exc})") from None
-        mx.eval(model.parameters())
+        model = Gemma4AssistantModel(acfg, head_class(options, acfg.head_kind))
+        load_weights(model, path, options.dtype)
         return cls(model, options.position_convention)
 
     def round_inputs(self, shared):

@@ -18,7 +18,7 @@ class TiedDenseHead(nn.Module):
     name = "tied_dense"
 
     @classmethod
-    def from_config(cls, config, vocab_size: int, hidden_size: int) -> "TiedDenseHead":
+    def from_config(cls, config, vocab_size: int, hidden_size: int, **context) -> "TiedDenseHead":
         return cls()
 
     def __call__(self, x: mx.array, E: mx.array) -> mx.array:
@@ -55,7 +55,7 @@ class CentroidHead(nn.Module):
         self.token_ordering = mx.arange(vocab_size, dtype=mx.int32)
 
     @classmethod
-    def from_config(cls, config, vocab_size: int, hidden_size: int) -> "CentroidHead":
+    def from_config(cls, config, vocab_size: int, hidden_size: int, **context) -> "CentroidHead":
         return cls(config.num_centroids, config.centroid_top_k, vocab_size, hidden_size)
 
     def select(self, x: mx.array) -> mx.array:

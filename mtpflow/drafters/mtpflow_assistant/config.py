@@ -27,13 +27,10 @@ A drafter ``config.json``::
 from __future__ import annotations
 
 from ...targets.base import FULL, SLIDING
+from ..base import IncompatibleDrafter  # noqa: F401  (re-exported)
 from . import MODEL_TYPES
 
 LM_HEADS = ("target", "own")
-
-
-class IncompatibleDrafter(ValueError):
-    """The generic assistant does not fit the target."""
 
 
 def _text(cfg: dict) -> dict:
@@ -44,44 +41,33 @@ def _text(cfg: dict) -> dict:
     return tc
 
 
+def target_class(target_config: dict):
+    """The target adapter class registered for the config's ``model_type``."""
+    from ...plugins import PluginError, get_plugins
+
+    mt = target_config.get("model_type")
+    try:
+        return get_plugins().targets.get(mt)
+    except PluginError as exc:
+        raise IncompatibleDrafter(f"target config.json: {exc}") from None
+
+
 def target_geometry(target_config: dict) -> dict:
     """Per attention type of the target: ``{num_attention_heads,
     num_key_value_heads, head_dim, scale, q_norm}``, plus ``hidden_size``,
     ``vocab_size``, ``sliding_window``, ``rms_norm_eps``, ``layer_types``,
-    ``model_type`` (config only, no weights)."""
-    mt = str(target_config.get("model_type", ""))
-    if mt.startswith("gemma4"):
-        from ...targets.gemma4 import head_geometry, text_config
-
-        tc = text_config(target_config)
-        types = list(tc["layer_types"])
-        geo = head_geometry(tc)
-        att = {
-            t: {"num_attention_heads": tc["num_attention_heads"], "num_key_value_heads": geo[t][0],
-                "head_dim": geo[t][1], "scale": 1.0, "q_norm": True}
-            for t in sorted(set(types))
-        }
-    else:
-        from ...targets.mlxlm import layer_types_of
-
-        tc = _text(target_config)
-        types = layer_types_of(tc)
-        nh = tc["num_attention_heads"]
-        hd = tc.get("head_dim") or tc["hidden_size"] // nh
-        kvh = tc.get("num_key_value_heads") or nh
-        gemma = str(tc.get("model_type", "")).startswith("gemma")
-        qnorm = gemma or str(tc.get("model_type", "")).startswith("qwen3")
-        scale = (tc.get("query_pre_attn_scalar") or hd) ** -0.5 if gemma else hd**-0.5
-        att = {t: {"num_attention_heads": nh, "num_key_value_heads": kvh, "head_dim": hd, "scale": scale, "q_norm": qnorm}
-               for t in sorted(set(types))}
+    ``model_type`` (config only, no weights; from the target's adapter class)."""
+    cls = target_class(target_config)
+    tc = cls.text_config(target_config)
+    types = cls.layer_types_of(target_config)
     return {
-        "model_type": mt,
+        "model_type": str(target_config.get("model_type", "")),
         "hidden_size": tc["hidden_size"],
         "vocab_size": tc.get("vocab_size") or target_config.get("vocab_size"),
         "sliding_window": tc.get("sliding_window") if SLIDING in types else None,
         "rms_norm_eps": tc.get("rms_norm_eps", 1e-6),
         "layer_types": types,
-        "attention": att,
+        "attention": cls.attention_geometry(target_config),
     }
 
 

@@ -14,9 +14,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...targets.base import TargetError, read_config
+from ..base import head_class, load_weights
 from ..gemma4_assistant.drafter import Gemma4AssistantDrafter
 from . import MODEL_TYPES
 from .config import check_compatible
+from .heads import head_name
 from .model import GenericAssistantModel
 
 WEIGHTS = "model.safetensors"
@@ -39,24 +41,15 @@ def save_drafter(model: GenericAssistantModel, out_dir, dtype: str | None = None
     return out
 
 
-def load_model(path, target, dtype: str | None = None) -> GenericAssistantModel:
+def load_model(path, target, dtype: str | None = None, head_cls=None) -> GenericAssistantModel:
+    """Check ``path`` against the target, then build and load its model
+    (``head_cls``: a registered LM head; default: the one its config names)."""
     path = Path(path)
     cfg = check_compatible(target.config, read_config(path))
-    model = GenericAssistantModel(cfg, target)
-    f = path / WEIGHTS
-    if not f.is_file():
+    model = GenericAssistantModel(cfg, target, head_cls)
+    if not (path / WEIGHTS).is_file():
         raise TargetError(f"{path}: no {WEIGHTS}")
-    try:
-        weights = mx.load(str(f))
-    except Exception as exc:
-        raise TargetError(f"{f}: cannot read safetensors ({exc}); the file is corrupt or truncated") from None
-    dt = getattr(mx, dtype) if dtype else mx.float32
-    weights = {k: (v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise TargetError(f"{path}: drafter weights do not match its config.json ({exc})") from None
-    mx.eval(model.parameters())
+    load_weights(model, path, dtype)
     return model
 
 
@@ -73,8 +66,9 @@ class GenericAssistantDrafter(Gemma4AssistantDrafter):
 
     @classmethod
     def load(cls, path, target, options) -> "GenericAssistantDrafter":
-        model = load_model(path, target, getattr(options, "dtype", None))
-        return cls(model, getattr(options, "position_convention", "bonus"))
+        head = head_class(options, head_name(read_config(path)))
+        model = load_model(path, target, options.dtype, head)
+        return cls(model, options.position_convention)
 
     @classmethod
     def from_model(cls, model: GenericAssistantModel, position_convention: str = "bonus") -> "GenericAssistantDrafter":

@@ -21,47 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-
-class _Ref:
-    """Holds an object outside the module tree (not a parameter, not saved)."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-
-def _target_layers(target):
-    for path in ("inner", "model.model", "model"):
-        obj = target
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            layers = obj.layers
-        except AttributeError:
-            continue
-        if isinstance(layers, list) and layers:
-            return layers
-    return None
-
-
-def target_rope(target, layer_type: str, head_dim: int):
-    """The target's RoPE module for ``layer_type`` (from its store layer), or
-    one built from the target config with mlx-lm's ``initialize_rope``."""
-    layers = _target_layers(target) if target is not None else None
-    if layers is not None:
-        idx = target.store_layers.get(layer_type)
-        if idx is not None and idx < len(layers):
-            layer = layers[idx]
-            attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-            rope = getattr(attn, "rope", None)
-            if rope is not None:
-                return rope
-    from mlx_lm.models.rope_utils import initialize_rope
-
-    tc = dict((target.config if target is not None else {}) or {})
-    tc = dict(tc.get("text_config") or tc)
-    rp = (tc.get("rope_parameters") or {}).get(layer_type) or tc.get("rope_scaling")
-    base = (rp or {}).get("rope_theta", tc.get("rope_theta", 10000.0))
-    return initialize_rope(head_dim, base, False, rp, tc.get("max_position_embeddings", 4096))
+from ...targets.base import Ref as _Ref
 
 
 class Attention(nn.Module):
@@ -120,12 +80,15 @@ class Body(nn.Module):
 
 class GenericAssistantModel(nn.Module):
     """Parameters: ``pre_projection``, ``model.layers.*``, ``model.norm``,
-    ``post_projection`` and (``lm_head: own``) ``lm_head``.
+    ``post_projection`` and the LM head's own (``lm_head.*``: ``weight`` of
+    the ``own`` head, ``draft_vocab`` of a draft vocabulary).
 
-    ``target`` supplies the RoPE modules and, for ``lm_head: target``, the
-    LM head; it is referenced, never part of the parameter tree."""
+    ``target`` supplies the RoPE modules and, for the ``target`` heads, the
+    LM head; it is referenced, never part of the parameter tree.  The head is
+    a registered LM head (``head_cls``, default: the one the config names,
+    :func:`.heads.head_name`); the model never branches on its kind."""
 
-    def __init__(self, config: dict, target=None):
+    def __init__(self, config: dict, target=None, head_cls=None):
         super().__init__()
         self._config = _Ref(dict(config))
         Dd, Dt = config["hidden_size"], config["backbone_hidden_size"]
@@ -134,14 +97,12 @@ class GenericAssistantModel(nn.Module):
         self.post_projection = nn.Linear(Dd, Dt, bias=False)
         # small start: h' (and, with the target head, the first logits) near zero
         self.post_projection.weight = self.post_projection.weight * 0.01
-        self.head_kind = config.get("lm_head", "target")
-        K = int(config.get("draft_vocab_size") or 0)
-        if K:
-            # EAGLE-3-style reduced draft vocabulary: drafts come from these ids only
-            self.draft_vocab = mx.arange(K, dtype=mx.int32)
-            self.freeze(keys=["draft_vocab"], recurse=False)
-        if self.head_kind == "own":
-            self.lm_head = nn.Linear(Dd, K or config["vocab_size"], bias=False)
+        if head_cls is None:
+            from .heads import OwnHead, TargetHead, TargetSubsetHead, head_name
+
+            head_cls = {"own": OwnHead, "target": TargetHead, "target_subset": TargetSubsetHead}[head_name(config)]
+        width = Dd if getattr(head_cls, "input_space", "target") == "drafter" else Dt
+        self.lm_head = head_cls.from_config(config, config["vocab_size"], width, target=target)
         self.sliding_window = config.get("sliding_window")
         self.hidden_norm = config.get("hidden_norm") == "target"
         self.bind_target(target)
@@ -152,10 +113,11 @@ class GenericAssistantModel(nn.Module):
 
     def bind_target(self, target) -> None:
         self._target = _Ref(target)
-        ropes = {}
-        for t in sorted(set(self.config["layer_types"])):
-            ropes[t] = target_rope(target, t, self.config["attention"][t]["head_dim"])
-        self._ropes = _Ref(ropes)
+        if hasattr(self.lm_head, "_target"):
+            self.lm_head._target = _Ref(target)
+        self._ropes = _Ref({} if target is None else {
+            t: target.rope(t, self.config["attention"][t]["head_dim"]) for t in sorted(set(self.config["layer_types"]))
+        })
 
     @property
     def layer_types(self) -> list[str]:
@@ -165,8 +127,9 @@ class GenericAssistantModel(nn.Module):
         """``x_in`` ``[B, L, 2*Dt]``; ``kv`` ``{type: (K [B,KVH,S,hd], V)}``;
         ``masks`` ``{type: bool [B, 1, L, S]}``; ``offset``: RoPE position of
         query 0 (int or ``[B]``), query ``l`` is at ``offset + l``.
-        Returns ``(head_input, h')``: what the LM head reads, and the
-        projected state fed back as the next ``h`` (``[B, L, Dt]``)."""
+        Returns ``(head_input, h')``: what the LM head reads (its
+        ``input_space``), and the projected state fed back as the next ``h``
+        (``[B, L, Dt]``)."""
         ropes = self._ropes.obj
         x = self.pre_projection(x_in)
         for layer in self.model.layers:
@@ -178,7 +141,7 @@ class GenericAssistantModel(nn.Module):
             # h' through the target's own final norm: the fed-back state and the
             # head input live where the target's post-norm hidden state does
             proj = self._target.obj.final_norm(proj)
-        return (proj if self.head_kind == "target" else final), proj
+        return (final if getattr(self.lm_head, "input_space", "target") == "drafter" else proj), proj
 
     def step(self, x_in: mx.array, kv: dict, masks: dict, position: mx.array):
         """One inference step, the :class:`Gemma4AssistantModel` signature:
@@ -186,51 +149,31 @@ class GenericAssistantModel(nn.Module):
         z, h = self(x_in[:, None, :], kv, masks, position)
         return z[:, 0], h[:, 0]
 
+    # -- the draft vocabulary lives in the head --------------------------------------
     @property
     def has_draft_vocab(self) -> bool:
-        return "draft_vocab" in self
+        return "draft_vocab" in self.lm_head
 
-    def vocab_rows(self) -> mx.array:
-        """The target's output-embedding rows of the draft vocabulary ``[K, Dt]``."""
-        key = id(self.draft_vocab)
-        cached = getattr(self, "_rows_cache", None)
-        if cached is None or cached.obj[0] != key:
-            rows = output_rows(self._target.obj, self.draft_vocab)
-            self._rows_cache = _Ref((key, rows))
-            return rows
-        return cached.obj[1]
+    @property
+    def draft_vocab(self) -> mx.array:
+        return self.lm_head.draft_vocab
+
+    @draft_vocab.setter
+    def draft_vocab(self, ids: mx.array) -> None:
+        self.lm_head.draft_vocab = ids
 
     def head_logits(self, z: mx.array) -> mx.array:
-        """Logits over the full vocabulary, or over the draft vocabulary
-        (``draft_vocab_size``; index ``k`` = token ``draft_vocab[k]``)."""
-        if self.head_kind == "own":
-            return self.lm_head(z)
-        target = self._target.obj
-        if not self.has_draft_vocab:
-            return target.logits(z)
-        out = z @ self.vocab_rows().astype(z.dtype).T
-        cap = getattr(target, "softcap", None)
-        return mx.tanh(out / cap) * cap if cap else out
+        """Logits over the head's vocabulary: the full one, or the draft
+        vocabulary (index ``k`` = token ``draft_vocab[k]``)."""
+        return self.lm_head.support(z)[1]
 
     def head_argmax(self, z: mx.array) -> mx.array:
-        best = mx.argmax(self.head_logits(z), axis=-1)
-        if self.has_draft_vocab:
-            best = self.draft_vocab[best]
-        return best.astype(mx.int32)
+        return self.lm_head.argmax(z)
 
-
-def output_rows(target, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of the target's output (LM-head) matrix, ``[K, Dt]``
-    (tied heads: the raw, unscaled input embedding; quantized ones dequantize)."""
-    owner = getattr(target, "head_owner", None) or getattr(target, "model", None)
-    inner = getattr(target, "inner", None) or getattr(getattr(target, "model", None), "model", None)
-    lm_head = getattr(owner, "lm_head", None) if owner is not None else None
-    tied = getattr(owner, "tie_word_embeddings", None)
-    if tied is None:
-        tied = getattr(getattr(owner, "args", None), "tie_word_embeddings", lm_head is None)
-    if (tied or lm_head is None) and inner is not None:
-        return inner.embed_tokens(ids)
-    w = getattr(lm_head, "weight", None)
-    if w is None or "scales" in lm_head:
-        raise ValueError("draft_vocab_size needs an unquantized LM head on an untied target")
-    return w[ids]
+    def sanitize(self, weights: dict) -> dict:
+        """Checkpoints written before the heads were plugins keep the draft
+        vocabulary at the top level."""
+        if "draft_vocab" in weights:
+            weights = dict(weights)
+            weights["lm_head.draft_vocab"] = weights.pop("draft_vocab")
+        return weights
