@@ -126,10 +126,15 @@ class Drafter(Protocol):
 
     Optional members: ``check(target_config, drafter_config)`` (raise on a
     mismatch, before any weight is read), ``recommended_block_size(config,
-    path)``, ``settings`` (see the module docstring), and on instances
-    ``commit(session, state, accepted)``, called once per round after
-    acceptance with the host-side :class:`AcceptResult`, for drafters that
-    keep state of their own (a KV cache to roll back).
+    path)``, ``max_block_size(config)`` (the largest block a block drafter
+    was trained for), ``matches(config)`` (recognise a checkpoint whose
+    ``model_type`` is not the drafter's own), ``drafts_to_budget`` (draft up
+    to the remaining token budget rather than leaving room for the bonus
+    token), ``settings`` (see the module docstring), and on instances
+    ``prefilled(session, state)`` (new rows, with the prompt's target
+    layers) and ``commit(session, state, accepted)``, called once per round
+    after acceptance with the host-side :class:`AcceptResult`, for drafters
+    that keep state of their own (a KV cache to roll back).
     """
 
     model_types: tuple[str, ...]

@@ -600,8 +600,10 @@ def _plots(result: dict, out: Path) -> list[str]:
     batches = sorted({v["batch_size"] for v in vs})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for b in batches:
-        pts = sorted((v["block_size"], v["tokens_per_s"]) for v in vs
-                     if v["batch_size"] == b and v["engine"] == "mtpflow" and v["kind"] != "null" and v["tokens_per_s"]["median"])
+        pts = sorted(((v["block_size"], v["tokens_per_s"]) for v in vs
+                      if v["batch_size"] == b and v["engine"] == "mtpflow" and v["kind"] != "null"
+                      and not v["name"].startswith("mtpflow-default") and v["tokens_per_s"]["median"]),
+                     key=lambda p: p[0])
         if pts:
             xs = [p[0] for p in pts]
             ys = [p[1]["median"] for p in pts]
@@ -779,9 +781,12 @@ def run_bench(args) -> int:
         "variants": results,
     }
     ok = [d for d in results if "failed" not in d]
-    result["plots"] = [] if args.no_plots else _plots({**result, "variants": ok}, out)
-    (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))
+    result["plots"] = []
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))  # the figures first
     print(format_table(result), file=sys.stderr)
+    if not args.no_plots:
+        result["plots"] = _plots({**result, "variants": ok}, out)
+        (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))
     print(str(out / "bench.json"))
     return 0
 

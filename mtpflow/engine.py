@@ -230,9 +230,20 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
         if drafter_cls is not None and drafter_config is not None:
             block = getattr(drafter_cls, "recommended_block_size", recommended_block_size)(drafter_config, drafter_path)
         block = block or FALLBACK_BLOCK_SIZE
-    if (block, policy) == (d.block_size, d.policy):
+    ceiling = d.max_block_size
+    limit = getattr(drafter_cls, "max_block_size", None) if drafter_config is not None else None
+    if limit is not None and limit(drafter_config):
+        # a block drafter was trained for blocks up to its own size: that is the
+        # ceiling (its draft cost barely grows with the block, so it may pay)
+        top = limit(drafter_config)
+        if d.block_size is not None and d.block_size > top:
+            raise LoadError(
+                f"block size {d.block_size} is above the drafter's block_size {top}; use --draft-block-size {top} or less"
+            )
+        block, ceiling = min(block, top), top
+    if (block, policy, ceiling) == (d.block_size, d.policy, d.max_block_size):
         return config
-    return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy))
+    return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy, max_block_size=ceiling))
 
 
 def load_session(

@@ -255,9 +255,12 @@ def mtpflow_register_drafters(register: Register) -> None:
         of ``"hidden"``, ``"shared_kv"`` and ``"layer:N"`` items; the stages
         compute only what is needed), ``load(path, target, options)`` and
         instances ``propose(session, state, shared, n_draft)``; optionally
-        ``check(target_config, drafter_config)``,
-        ``recommended_block_size(config, path)``, ``settings`` and an instance
-        ``commit(session, state, accepted)`` called after every acceptance.
+        ``check(target_config, drafter_config[, drafter_path])``,
+        ``matches(config)``, ``recommended_block_size(config, path)``,
+        ``max_block_size(config)``, ``drafts_to_budget``, ``settings``, and
+        instance methods ``prefilled(session, state)`` (after prefill, with
+        the new rows' prompt features) and ``commit(session, state,
+        accepted)`` (after every acceptance) for drafters with state of their own.
     :return: ignored.
 
     .. versionadded:: 0.1

@@ -26,7 +26,7 @@ def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     args = parse(
         "--target", FIX / "target", "--draft-model", FIX / "drafter", "--prompts", "tiny",
-        "--block-sizes", "1,3", "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0",
+        "--block-sizes", "1,3,5", "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0",
         "--max-tokens", "6", "--out", out, "--no-progress",
     )
     assert run_bench(args) == 0
@@ -38,6 +38,9 @@ def test_variants_present(bench):
     names = {v["name"] for v in res["variants"]}
     for b in (1, 2):
         assert {f"mlx_lm b{b}", f"mtpflow-null b{b}", f"mtpflow-k1 b{b}", f"mtpflow-k3 b{b}"} <= names
+        d = next(v for v in res["variants"] if v["name"] == f"mtpflow-default b{b}")
+        # the default: the adaptive policy from the drafter's recommended block (num_assistant_tokens 4)
+        assert d["block_size"] == 5 and sum(d["block_sizes"].values()) == d["rounds"] > 0
     assert res["baselines"] == {"1": "mlx_lm b1", "2": "mlx_lm b2"}
     assert not [v for v in res["variants"] if "failed" in v]
     assert res["meta"]["draft_kind"] == "mtp"

@@ -19,6 +19,8 @@ def mtpflow_register_drafters(register):
     register("ngram", NgramDrafter)
     register("model", DraftModelDrafter)
 
+    from mtpflow.drafters.dflash.drafter import DFlashDrafter
     from mtpflow.drafters.eagle3.drafter import Eagle3Drafter
 
     register("eagle3", Eagle3Drafter)
+    register("dflash", DFlashDrafter)

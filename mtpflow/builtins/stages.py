@@ -133,12 +133,12 @@ def mtpflow_advance(session, state, draft, verify, accepted):
         state.fwd_tokens, state.taps = verify.inputs, verify.taps
         state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
     state.positions = next_pos
-    if session.drafter_commit is not None:
-        session.drafter_commit(session, state, accepted)  # the drafter's own state follows acceptance
     emitted = []
     for row, t, n in zip(state.rows, toks, counts):
         row.position += n + 1
         emitted.append(_finish(row, t[: n + 1]))
+    if session.drafter_commit is not None:
+        session.drafter_commit(session, state, accepted)  # the drafter's own state follows acceptance
     session.target.compact(
         state.cache, n_valid_max=max(r.position for r in state.rows), min_positions=[r.position for r in state.rows]
     )
@@ -152,10 +152,13 @@ def mtpflow_round_protocol(session, state):
     t0 = time.perf_counter()
     index = state.round
     block = session.block_policy.block_size(session.stats)
-    # never draft past the longest remaining budget
+    # never draft past the longest remaining budget: drafts + bonus fit it (as
+    # transformers); a drafter with `drafts_to_budget` drafts up to the budget
+    # itself (as mlx-lm and z-lab's dflash_generate, whose blocks must match)
     remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
     drafting = session.drafter is not None and any(r.request.speculative for r in state.rows)
-    n_draft = max(0, min(block - 1, remaining - 1)) if drafting else 0
+    budget = remaining if getattr(session.drafter, "drafts_to_budget", False) else remaining - 1
+    n_draft = max(0, min(block - 1, budget)) if drafting else 0
     B = state.size
     if n_draft > 0:
         shared = hook.mtpflow_bind_shared_kv(session=session, state=state)

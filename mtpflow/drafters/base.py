@@ -74,3 +74,54 @@ def head_class(options, name: str):
     cls = options.plugins.lm_heads.get(name)
     settings = options.plugins.settings_for(name, cls, getattr(options, "config", None))
     return cls if settings is None else _HeadWithSettings(cls, settings)
+
+
+class RowCaches:
+    """A drafter's own per-row state, kept aligned with the live batch.
+
+    ``caches``: one :class:`~mtpflow.targets.cache.SlotKVCache` per drafter
+    layer, whose batch rows are the requests in ``requests`` (in order);
+    ``extras``: ``{name: [B, ...]}`` per-row arrays (e.g. a last output).
+    Rows prefilled by the engine arrive through :meth:`add` and wait until the
+    next :meth:`sync`, which merges them in and puts every row in the live
+    batch's order (rows that left are dropped) -- continuous batching and
+    ragged batches need nothing else from the drafter.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches = None
+        self.requests: list = []
+        self.extras: dict = {}
+        self.pending: list = []
+
+    def add(self, requests: list, caches: list, extras: dict) -> None:
+        self.pending.append((list(requests), caches, dict(extras)))
+
+    def sync(self, rows) -> None:
+        import mlx.core as mx
+
+        from ..targets.cache import merge_caches
+
+        for requests, caches, extras in self.pending:
+            if self.caches is None:
+                self.caches, self.requests, self.extras = caches, requests, extras
+            else:
+                self.caches = merge_caches([self.caches, caches])
+                self.requests = self.requests + requests
+                self.extras = {k: mx.concatenate([v, extras[k]]) for k, v in self.extras.items()}
+        self.pending = []
+        want = [r.request for r in rows]
+        if len(want) == len(self.requests) and all(a is b for a, b in zip(want, self.requests)):
+            return
+        index = {id(r): i for i, r in enumerate(self.requests)}
+        missing = [r.id for r in want if id(r) not in index]
+        if missing:
+            raise RuntimeError(f"drafter state: rows {missing} were never prefilled through mtpflow_prefill")
+        perm = mx.array([index[id(r)] for r in want], dtype=mx.int32)
+        for c in self.caches:
+            c.select(perm)
+        self.extras = {k: v[perm] for k, v in self.extras.items()}
+        self.requests = want

@@ -150,11 +150,14 @@ class TargetAdapter:
         cap = self.softcap
         return mx.tanh(logits / cap) * cap if cap else logits
 
+    def raw_logits(self, hidden: mx.array) -> mx.array:
+        """The LM head's output before any softcapping."""
+        head = self.lm_head_module
+        return head(hidden) if head is not None else self.inner.embed_tokens.as_linear(hidden)
+
     def logits(self, hidden: mx.array) -> mx.array:
         """The target's output logits from post-norm hidden states (softcapping included)."""
-        head = self.lm_head_module
-        out = head(hidden) if head is not None else self.inner.embed_tokens.as_linear(hidden)
-        return self.softcapped(out)
+        return self.softcapped(self.raw_logits(hidden))
 
     def output_rows(self, ids: mx.array) -> mx.array:
         """Rows ``ids`` of the output (LM-head) matrix, ``[K, D]`` (a tied head:

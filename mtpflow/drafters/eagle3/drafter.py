@@ -31,15 +31,10 @@ import mlx.core as mx
 
 from ...state import DraftBlock
 from ...targets.base import read_config
-from ...targets.cache import SlotKVCache, merge_caches
-from ..base import load_weights
+from ...targets.cache import SlotKVCache
+from ..base import RowCaches, load_weights
 from .config import Eagle3Config, check_compatible, is_eagle3, safetensors_shapes
 from .model import Eagle3Model
-
-
-class _Row:
-    def __init__(self, request):
-        self.request = request
 
 
 class Eagle3Drafter:
@@ -54,12 +49,18 @@ class Eagle3Drafter:
         self.reset()
 
     def reset(self) -> None:
-        self.cache: SlotKVCache | None = None
-        self.ids: list[str] = []
-        self.rows: dict[str, _Row] = {}
-        self.last_out = None  # [B, H] step-0 output at each row's last context pair
-        self.pending: list = []  # prefilled rows not merged yet: (ids, rows, cache, last_out)
+        # one cache (the decoder layer's) and, per row, the step-0 output at its
+        # last context pair ("last_out", [B, H]): the next block's first draft
+        self.rows = RowCaches()
         self.chain = 0  # chain slots at the end of the cache (the last block's drafts)
+
+    @property
+    def cache(self) -> SlotKVCache:
+        return self.rows.caches[0]
+
+    @property
+    def last_out(self):
+        return self.rows.extras["last_out"]
 
     # -- the checkpoint -------------------------------------------------------------------
     @classmethod
@@ -129,32 +130,6 @@ class Eagle3Drafter:
     def _taps(self, state):
         return mx.concatenate([state.taps[i] for i in self.cfg.aux_layer_ids], axis=-1)
 
-    # -- rows -----------------------------------------------------------------------------
-    def _sync_rows(self, state) -> None:
-        """The cache rows become the state's rows, in its order (rows that left
-        are dropped, prefilled ones merged in)."""
-        want = [r.request for r in state.rows]
-        for ids, rows, cache, last in self.pending:
-            if self.cache is None:
-                self.cache, self.last_out, self.ids = cache, last, list(ids)
-            else:
-                self.cache = merge_caches([[self.cache], [cache]])[0]
-                self.last_out = mx.concatenate([self.last_out, last])
-                self.ids = self.ids + list(ids)
-            self.rows.update(rows)
-        self.pending = []
-        if [self.rows[i].request for i in self.ids] == want:
-            return
-        index = {id(self.rows[i].request): n for n, i in enumerate(self.ids)}
-        missing = [r.id for r in want if id(r) not in index]
-        if missing:
-            raise RuntimeError(f"eagle3 drafter: rows {missing} were never prefilled through mtpflow_prefill")
-        perm = mx.array([index[id(r)] for r in want], dtype=mx.int32)
-        self.cache.select(perm)
-        self.last_out = self.last_out[perm]
-        self.ids = [r.id for r in want]
-        self.rows = {r.id: _Row(r) for r in want}
-
     # -- the engine's calls ---------------------------------------------------------------
     def prefilled(self, session, state) -> None:
         """New rows: step 0 over their prompts (pairs ``x_{p+1}``, ``g_p``)."""
@@ -166,12 +141,11 @@ class Eagle3Drafter:
         out = self._context(cache, tokens, self._taps(state), positions)
         last = out[:, -1]
         mx.async_eval(cache.keys, cache.values, last)
-        ids = [r.request.id for r in state.rows]
-        self.pending.append((ids, {r.request.id: _Row(r.request) for r in state.rows}, cache, last))
+        self.rows.add([r.request for r in state.rows], [cache], {"last_out": last})
 
     def commit(self, session, state, accepted) -> None:
         """After a verify: drop the block's chain, take in the accepted pairs."""
-        self._sync_rows(state)
+        self.rows.sync(state.rows)
         if self.chain:
             self.cache.trim(self.chain)
             self.chain = 0
@@ -183,16 +157,16 @@ class Eagle3Drafter:
         pos = state.fwd_positions
         positions = mx.where(pos >= 0, pos + 1, -1)
         out = self._context(self.cache, tokens, self._taps(state), positions)
-        self.last_out = mx.take_along_axis(out, counts[:, None, None], axis=1)[:, 0]
+        self.rows.extras["last_out"] = mx.take_along_axis(out, counts[:, None, None], axis=1)[:, 0]
         rows = [r.position for r in state.rows]
-        session.target.compact([self.cache], n_valid_max=max(rows), min_positions=rows)
+        session.target.compact(self.rows.caches, n_valid_max=max(rows), min_positions=rows)
         mx.async_eval(self.cache.keys, self.cache.values, self.last_out)
 
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = state.size
         if n_draft <= 0:
             return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
-        self._sync_rows(state)
+        self.rows.sync(state.rows)
         m, layer = self.model, self.model.layer
         logits, h = m.head(self.last_out)
         tok = m.to_target(mx.argmax(logits, axis=-1))
