@@ -92,6 +92,10 @@ class TrainConfig:
     #: warm start: a trained drafter folder (or packaged drafter name) whose config, weights and
     #: draft vocabulary the run starts from (a fresh optimiser and schedule); replaces ``init``
     init_from: str | None = None
+    #: drafter kind: "assistant" (mtpflow's KV-sharing MTP drafter), "eagle3", "dflash"
+    kind: str = "assistant"
+    #: dflash: anchor positions (blocks) per sequence and step
+    anchors: int = 8
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -102,6 +106,10 @@ class TrainConfig:
             raise ValueError("unroll must be >= 1")
         if self.init not in ("identity", "random"):
             raise ValueError(f"init must be 'identity' or 'random' (got {self.init!r})")
+        if self.kind not in ("assistant", "eagle3", "dflash"):
+            raise ValueError(f"kind must be 'assistant', 'eagle3' or 'dflash' (got {self.kind!r})")
+        if self.kind != "assistant" and self.init_from:
+            raise ValueError("--init-from warm-starts assistant drafters only")
 
 
 # ------------------------------------------------------------------------------ objective
@@ -406,7 +414,109 @@ def load_checkpoint(ckpt: Path, model, opt) -> dict | None:
     return json.loads((ckpt / "state.json").read_text())
 
 
+# ------------------------------------------------------------------------------ the optimiser loop
+def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int):
+    """AdamW over ``model``'s trainable parameters until ``cfg.steps``
+    (``max_time_s`` / ``stop_at`` stop it early, checkpointed): resumes from
+    ``out/checkpoint``, logs every step to ``out/train_log.jsonl``, shows a
+    progress bar.  ``make_batch(step) -> (args, lengths)``; ``loss_fn(model,
+    *args, weights) -> (loss, per_step_loss, per_step_correct, per_step_count)``
+    over ``n_steps_loss`` unrolled steps / block positions, weighted by
+    :func:`step_weights` from the running accuracy.  ``config_id``: what the
+    checkpoint must have been written for.  Returns ``(step, acc_ema,
+    tokens_seen, last_log, elapsed_s)``."""
+    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    ckpt = out / "checkpoint"
+    state = load_checkpoint(ckpt, model, opt)
+    step = 0
+    acc_ema = [0.5] * n_steps_loss
+    tokens_seen = 0
+    elapsed_prev = 0.0
+    if state is not None:
+        step, acc_ema = state["step"], state["acc_ema"]
+        tokens_seen, elapsed_prev = state["tokens_seen"], state.get("elapsed_s", 0.0)
+        if state.get("drafter_config") != config_id:
+            raise ValueError(f"{ckpt}: the checkpoint was written for another drafter config; use a new --out")
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    log_f = open(out / "train_log.jsonl", "a")
+    bar = _Progress(cfg.steps, step, cfg.progress)
+    t0 = time.time()
+    last = {}
+    try:
+        while step < cfg.steps:
+            if cfg.max_time_s is not None and time.time() - t0 >= cfg.max_time_s:
+                break
+            if cfg.stop_at is not None and step >= cfg.stop_at:
+                break
+            args, lens_np = make_batch(step)
+            w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema))
+            (loss, per, cor, cnt), grads = grad_fn(model, *args, w)
+            grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
+            opt.update(model, grads)
+            mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm)
+            step += 1
+            cnt_np, cor_np = np.array(cnt), np.array(cor)
+            acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
+            acc_ema = [cfg.ema * a + (1 - cfg.ema) * b if n > 0 else a for a, b, n in zip(acc_ema, acc, cnt_np)]
+            tokens_seen += int(lens_np.sum())
+            last = {"step": step, "loss": float(loss.item()), "step_loss": [round(float(x), 5) for x in np.array(per)],
+                    "acc": [round(a, 4) for a in acc], "grad_norm": float(gnorm.item()),
+                    "lr": float(opt.learning_rate.item()), "tokens_seen": tokens_seen,
+                    "elapsed_s": round(elapsed_prev + time.time() - t0, 2)}
+            log_f.write(json.dumps(last) + "\n")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                log_f.flush()
+            bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema))
+            if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
+                save_checkpoint(ckpt, model, opt, {
+                    "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
+                    "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": config_id,
+                    "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
+                })
+    finally:
+        bar.close()
+        log_f.close()
+    return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0
+
+
 # ------------------------------------------------------------------------------ train
+def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None):
+    """``(examples, feats, distill_summary, cache_summary)`` of a data spec:
+    ``distill:`` / ``cache:`` parts are collected (resumably) into
+    ``out/features`` / ``out/features-cache`` and loaded (``feats``, and their
+    tokens as ``examples``); other specs load as token examples."""
+    feats = None
+    distill = cache_summary = None
+    feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
+    if feature_parts:
+        from . import features as feat_mod
+
+        feats = []
+        tok = _load_tokenizer(target)
+        for kind, spec in feature_parts:
+            if kind == "distill":
+                prompts = feat_mod.distill_prompts(spec, tok,
+                                                   max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
+                distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
+                                           batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
+                                           progress=cfg.progress)
+                feats += feat_mod.load_features(out / "features")
+            else:
+                texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
+                cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
+                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress)
+                feats += feat_mod.load_features(out / "features-cache")
+        if not feats:
+            raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
+                                     "rerun with a longer --distill-time / --cache-time")
+        examples = [data_mod.Example(f.tokens, f.loss) for f in feats]
+    elif examples is None:
+        tok = _load_tokenizer(target)
+        examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
+    return examples, feats, distill, cache_summary
+
+
 def _feature_parts(spec: str) -> list[tuple[str, str]] | None:
     """``[(kind, spec)]`` of a data spec whose parts are cached-feature data
     (``distill:SPEC``, ``cache:SPEC``); ``None`` for on-the-fly data."""
@@ -437,6 +547,10 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = _load_target(target)
+    if cfg.kind != "assistant":
+        from .kinds import train_kind
+
+        return train_kind(cfg.kind, target, drafter_config, data_spec, out, cfg, examples)
     mx.random.seed(cfg.seed)
     if cfg.init_from:
         model = _warm_start(target, cfg.init_from, drafter_config)
@@ -447,35 +561,9 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         if cfg.init == "identity":
             identity_init(model)
     mx.eval(model.parameters())
-    feats = None
-    distill = cache_summary = None
-    feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
-    if feature_parts:
-        from . import features as feat_mod
-
-        feats = []
-        tok = _load_tokenizer(target)
-        for kind, spec in feature_parts:
-            if kind == "distill":
-                prompts = feat_mod.distill_prompts(spec, tok,
-                                                   max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
-                distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
-                                           batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
-                                           progress=cfg.progress)
-                feats += feat_mod.load_features(out / "features")
-            else:
-                texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
-                cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
-                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress)
-                feats += feat_mod.load_features(out / "features-cache")
-        if not feats:
-            raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
-                                     "rerun with a longer --distill-time / --cache-time")
-        feature_batch = feat_mod.feature_batch
-        examples = [data_mod.Example(f.tokens, f.loss) for f in feats]
-    elif examples is None:
-        tok = _load_tokenizer(target)
-        examples = data_mod.load_examples(data_spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples)
+    if feats is not None:
+        from .features import feature_batch
     if model.has_draft_vocab and not cfg.init_from:  # a warm start keeps its draft vocabulary
         K = model.draft_vocab.shape[0]
         extra = None
@@ -484,71 +572,22 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids), extra))
     n_tokens_ex = [int(e.loss.sum()) for e in examples]
 
-    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
-    ckpt = out / "checkpoint"
-    state = load_checkpoint(ckpt, model, opt)
-    step = 0
-    acc_ema = [0.5] * cfg.unroll
-    tokens_seen = 0
-    elapsed_prev = 0.0
-    if state is not None:
-        step, acc_ema = state["step"], state["acc_ema"]
-        tokens_seen, elapsed_prev = state["tokens_seen"], state.get("elapsed_s", 0.0)
-        if state.get("drafter_config") != dcfg:
-            raise ValueError(f"{ckpt}: the checkpoint was written for another drafter config; use a new --out")
-
     def loss_fn(m, tp, toks, lmask, lens, w):
         return drafter_loss(m, tp, toks, lmask, lens, w, cfg.unroll, cfg.targets)
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
-    log_f = open(out / "train_log.jsonl", "a")
-    bar = _Progress(cfg.steps, step, cfg.progress)
-    t0 = time.time()
-    last = {}
-    try:
-        while step < cfg.steps:
-            if cfg.max_time_s is not None and time.time() - t0 >= cfg.max_time_s:
-                break
-            if cfg.stop_at is not None and step >= cfg.stop_at:
-                break
-            if feats is not None:
-                idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)
-                tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
-                lens_np = np.array(lens)
-            else:
-                toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
-                toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
-                tp = target_pass(target, toks, model)
-            w = mx.array(step_weights(cfg.step_weights, cfg.unroll, cfg.decay, acc_ema))
-            (loss, per, cor, cnt), grads = grad_fn(model, tp, toks, lmask, lens, w)
-            grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
-            opt.update(model, grads)
-            mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm)
-            step += 1
-            cnt_np, cor_np = np.array(cnt), np.array(cor)
-            acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
-            acc_ema = [cfg.ema * a + (1 - cfg.ema) * b if n > 0 else a for a, b, n in zip(acc_ema, acc, cnt_np)]
-            tokens_seen += int(lens_np.sum())
-            last = {"step": step, "loss": float(loss.item()), "step_loss": [round(float(x), 5) for x in np.array(per)],
-                    "acc": [round(a, 4) for a in acc], "grad_norm": float(gnorm.item()),
-                    "lr": float(opt.learning_rate.item()), "tokens_seen": tokens_seen,
-                    "elapsed_s": round(elapsed_prev + time.time() - t0, 2)}
-            log_f.write(json.dumps(last) + "\n")
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                log_f.flush()
-            bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema))
-            if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
-                save_checkpoint(ckpt, model, opt, {
-                    "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
-                    "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": dcfg,
-                    "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
-                })
-    finally:
-        bar.close()
-        log_f.close()
+    def make_batch(step):
+        if feats is not None:
+            idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)
+            tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
+            return (tp, toks, lmask, lens), np.array(lens)
+        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+        toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
+        return (target_pass(target, toks, model), toks, lmask, lens), lens_np
+
+    step, acc_ema, tokens_seen, last, elapsed = optimize(model, loss_fn, make_batch, cfg, out, dcfg, cfg.unroll)
     save_drafter(model, out, dtype=cfg.save_dtype)
     summary = {
-        "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed_prev + time.time() - t0, 1),
+        "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1),
         "examples": len(examples), "loss_tokens_per_epoch": int(sum(n_tokens_ex)),
         "final": last, "acc_ema": acc_ema, "train_config": asdict(cfg), "data": data_spec,
     }
@@ -607,6 +646,11 @@ def add_train_arguments(p) -> None:
     p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype of the saved drafter weights (default: as trained, float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--kind", choices=["assistant", "eagle3", "dflash"], default="assistant",
+                   help="drafter kind: assistant (mtpflow's KV-sharing MTP drafter), eagle3 (written as a Speculators "
+                        "checkpoint), dflash (written in z-lab's format); --drafter-config takes the kind's options, "
+                        'e.g. {"draft_vocab_size": 8192} (eagle3) or {"block_size": 16, "num_hidden_layers": 2} (dflash)')
+    p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
 
 
 def run_train(args) -> int:
@@ -620,6 +664,7 @@ def run_train(args) -> int:
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
+        kind=args.kind, anchors=args.anchors,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))

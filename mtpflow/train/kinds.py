@@ -1,0 +1,399 @@
+"""Training the EAGLE-3 and DFlash drafter kinds against a frozen target
+(``mtpflow train --kind eagle3 | dflash``).
+
+Both read the target's hidden states of a few layers, computed per batch by
+one teacher-forced target forward with layer taps
+(:meth:`mtpflow.targets.base.TargetAdapter.forward_with_taps`) over the data's
+tokens -- text specs, or the token sequences of ``distill:`` / ``cache:``
+feature folders (the self-distilled answers).  The target never receives
+gradients, and the optimiser loop is :func:`mtpflow.train.loop.optimize`
+(resumable checkpoints, progress, ``train_log.jsonl``).
+
+**EAGLE-3** (the training-time test of speculators / EAGLE-3): row ``t``
+pairs token ``x_{t+1}`` with the target states ``g_t`` at position ``t + 1``;
+step ``j`` embeds ``x_{t+1+j}``, takes the drafter's own state of step
+``j - 1`` (``h0 = fc(g)`` at step 0), attends to the step-0 keys of rows
+``<= t`` and to its own keys of steps ``1..j`` only, and predicts
+``x_{t+2+j}`` over the draft vocabulary.  Labels: the target's distribution
+restricted to the draft vocabulary (``soft``, KL) or its argmax (``hard``).
+:func:`ttt_logits` is exactly speculators' multi-step forward (tested against
+its outputs).  The draft vocabulary is the data's most frequent tokens; the
+head starts as the target's LM-head rows of it, the final norm as the
+target's.
+
+**DFlash**: per sequence ``--anchors`` random positions ``a`` inside the
+loss region; the block ``[x_a, mask x (B-1)]`` at positions ``a .. a+B-1``
+sees the context features of positions ``< a`` through each layer's own
+inference mask, and block row ``k`` predicts ``x_{a+k}`` through the
+target's LM head; the loss over rows ``1..B-1`` is weighted ``exp(-(k-1)/γ)``
+(``--step-weights geometric`` with ``decay = exp(-1/γ)``), or by **D-PACE**
+(``--step-weights position``): weights from the detached per-position
+confidence ``exp(-CE)``, smoothed over steps, as suffix sums of prefix
+products (``dE[accepted]/dc_k``), so the loss follows the expected accepted
+length.  Embedding and LM head are the target's and stay frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import data as data_mod
+
+KINDS = ("assistant", "eagle3", "dflash")
+
+
+def _sg(x):
+    return mx.stop_gradient(x)
+
+
+def _shift(a: mx.array, k: int) -> mx.array:
+    from .loop import _shift as shift
+
+    return shift(a, k)
+
+
+def target_states(target, tokens: mx.array, layers) -> tuple[mx.array, dict]:
+    """One teacher-forced target forward over ``tokens [B, T]``: post-norm
+    hidden states and the taps of ``layers``, all without gradients."""
+    cache = target.make_cache()
+    target.set_offsets(cache, mx.zeros((tokens.shape[0],), dtype=mx.int32))
+    hidden, taps = target.forward_with_taps(tokens, cache, tuple(layers))
+    return _sg(hidden), {k: _sg(v) for k, v in taps.items()}
+
+
+# --------------------------------------------------------------------------------------
+# EAGLE-3
+# --------------------------------------------------------------------------------------
+def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: int | None):
+    """speculators' training-time test: yields the draft-vocabulary logits
+    ``[B, T, Vd]`` of steps ``0 .. steps-1`` (step ``j``: tokens shifted left
+    by ``j``, 0-padded, at ``row_positions + j``)."""
+    layer = model.layer
+    T = row_tokens.shape[1]
+    t = mx.arange(T)
+    causal = t[None, :] <= t[:, None]
+    if window is not None:
+        causal = causal & (t[None, :] > t[:, None] - window)
+    diag = t[None, :] == t[:, None]
+    h = model.first_hidden(g)
+    keys, values = [], []
+    for j in range(steps):
+        tok = _shift(row_tokens, j)
+        q, k, v, res = layer.project(embed(tok), h, row_positions + j)
+        keys.append(k)
+        values.append(v)
+        mask = mx.concatenate([causal] + [diag] * j, axis=1)[None, None]
+        out = layer.finish(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), mask, res)
+        logits, h = model.head(out)
+        yield logits
+
+
+def eagle3_loss(model, embed, g, label_logits, toks, lmask, lens, weights, steps: int, targets: str):
+    """Weighted loss over the TTT steps; ``(loss, per_step_loss, per_step_correct, per_step_count)``."""
+    B, T = toks.shape
+    tpos = mx.arange(T, dtype=mx.int32)[None]
+    lab_all = label_logits - mx.logsumexp(label_logits, axis=-1, keepdims=True)
+    row_tokens = _shift(toks, 1)  # x_{t+1} at row t
+    total = mx.array(0.0)
+    losses, correct, counts = [], [], []
+    rows = mx.broadcast_to(tpos + 1, (B, T))  # row t sits at the position of its token x_{t+1}
+    for j, logits in enumerate(ttt_logits(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)):
+        logp = logits.astype(mx.float32)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        lab = _shift(lab_all, 1 + j)  # the target's distribution of x_{t+2+j}
+        valid = (tpos + 2 + j < lens[:, None]) & _shift(lmask, 2 + j)
+        vf = valid.astype(mx.float32)
+        tgt = mx.argmax(lab, axis=-1)
+        if targets == "soft":
+            per = (mx.exp(lab) * (lab - logp)).sum(-1)
+        else:
+            per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        n = vf.sum()
+        step_loss = (per * vf).sum() / mx.maximum(n, 1.0)
+        total = total + weights[j] * step_loss
+        losses.append(step_loss)
+        correct.append(((mx.argmax(logp, axis=-1) == tgt) & valid).sum())
+        counts.append(n)
+    return total, mx.stack(losses), mx.stack(correct), mx.stack(counts)
+
+
+class Eagle3Trainer:
+    kind = "eagle3"
+
+    def __init__(self, target, options: dict, examples, cfg):
+        from ..drafters.eagle3.export import new_config
+        from ..drafters.eagle3.model import Eagle3Model
+        from .loop import choose_draft_vocab
+
+        opts = dict(options or {})
+        k = int(opts.pop("draft_vocab_size", min(8192, target.vocab_size)))
+        ids = choose_draft_vocab(examples, target.vocab_size, k, sorted(target.eos_ids))
+        self.cfg = new_config(target, draft_vocab_size=k, **opts)
+        m = Eagle3Model(self.cfg, has_embed=False, has_t2d=True)
+        m.d2t = mx.array(ids - np.arange(k), dtype=mx.int32)
+        mask = np.zeros(target.vocab_size, bool)
+        mask[ids] = True
+        m.t2d = mx.array(mask)
+        m.lm_head.weight = target.output_rows(mx.array(ids)).astype(mx.float32)  # start as the target's head
+        norm = getattr(target.inner, "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == m.norm.weight.shape:
+            m.norm.weight = norm.weight.astype(mx.float32)
+        mx.eval(m.parameters())
+        self.model, self.target, self.ids = m, target, mx.array(ids)
+        self.steps, self.targets = cfg.unroll, cfg.targets
+        import attrs
+
+        self.config_id = {"kind": "eagle3", "config": json.loads(json.dumps(attrs.asdict(self.cfg), default=str)),
+                          "draft_vocab": int(k)}
+
+    def embed(self, tokens):
+        return self.target.inner.embed_tokens(tokens)
+
+    def batch(self, toks, lmask, lens):
+        hidden, taps = target_states(self.target, toks, self.cfg.aux_layer_ids)
+        g = mx.concatenate([taps[i] for i in self.cfg.aux_layer_ids], axis=-1)
+        labels = _sg(self.target.logits(hidden)[..., self.ids])
+        return (g, labels, toks, lmask, lens)
+
+    def loss(self, model, g, labels, toks, lmask, lens, w):
+        return eagle3_loss(model, self.embed, g, labels, toks, lmask, lens, w, self.steps, self.targets)
+
+    def save(self, out, dtype=None):
+        from ..drafters.eagle3.export import save_speculators
+
+        save_speculators(self.model, self.cfg, out, dtype=dtype, speculative_tokens=self.steps)
+
+
+# --------------------------------------------------------------------------------------
+# DFlash
+# --------------------------------------------------------------------------------------
+def _rope_rows(rope, x, positions):
+    from ..drafters.eagle3.model import _rope_at
+
+    return _rope_at(rope, x, positions)
+
+
+def dflash_block_logits(model, target, feats, toks, anchors, mask_id: int):
+    """The training forward: per row ``[B]`` and anchor ``[B, K]``, the block
+    ``[x_a, mask, ...]`` at positions ``a ..`` with the context features of
+    positions ``< a`` (each layer's inference mask).  Returns the target-head
+    logits of block rows ``1 .. Bs-1``: ``[B, K, Bs-1, V]``."""
+    cfg = model.cfg
+    B, T = toks.shape
+    K = anchors.shape[1]
+    Bs = cfg.block_size
+    j = mx.arange(Bs, dtype=mx.int32)
+    qpos = (anchors[:, :, None] + j[None, None, :]).reshape(B, K * Bs)  # [B, K*Bs]
+    first = mx.take_along_axis(toks, anchors, axis=1)  # x_a
+    ids = mx.concatenate([first[:, :, None], mx.full((B, K, Bs - 1), mask_id, mx.int32)], axis=2).reshape(B, K * Bs)
+    x = target.inner.embed_tokens(ids)
+    if cfg.input_embedding_scale != 1.0:
+        x = x * cfg.input_embedding_scale
+    ctx = model.context(feats)  # [B, T, H]
+    kpos = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None], (B, T))
+    a_of_q = mx.repeat(anchors, Bs, axis=1)  # [B, K*Bs] the block start of every query
+    blk_id = mx.repeat(mx.arange(K), Bs)
+    row_in = mx.tile(j, K)
+    for layer in model.layers:
+        att = layer.self_attn
+        ctx_k, ctx_v = att.kv(ctx, mx.zeros((B,), dtype=mx.int32))  # context rows at positions 0..T-1
+        h = layer.input_layernorm(x)
+        L = h.shape[1]
+        q = att.q_norm(att.q_proj(h).reshape(B, L, att.n_heads, att.head_dim)).transpose(0, 2, 1, 3)
+        k = att.k_norm(att.k_proj(h).reshape(B, L, att.n_kv, att.head_dim)).transpose(0, 2, 1, 3)
+        v = att.v_proj(h).reshape(B, L, att.n_kv, att.head_dim).transpose(0, 2, 1, 3)
+        q, k = _rope_rows(att.rope, q, qpos), _rope_rows(att.rope, k, qpos)
+        cm = kpos[:, None, :] < a_of_q[:, :, None]  # context before the block
+        bm = (blk_id[:, None] == blk_id[None, :])[None]  # the block's own rows
+        if layer.causal:
+            bm = bm & (row_in[None, :] <= row_in[:, None])[None]
+        if layer.window is not None:
+            cm = cm & (qpos[:, :, None] - kpos[:, None, :] < layer.window)
+            bm = bm & ((row_in[:, None] - row_in[None, :]) < layer.window)[None]
+        mask = mx.concatenate([cm, mx.broadcast_to(bm, (B, L, L))], axis=-1)[:, None]
+        keys = mx.concatenate([ctx_k, k], axis=2)
+        values = mx.concatenate([ctx_v, v], axis=2)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=att.scale, mask=mask)
+        x = x + att.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    hidden = model.norm(x).reshape(B, K, Bs, -1)[:, :, 1:]
+    return target.logits(hidden)
+
+
+def dflash_loss(model, target, feats, label_logits, toks, anchors, valid, w, mask_id: int, targets: str, dpace: bool):
+    """Weighted loss over block rows ``1..Bs-1``; ``correct`` counts the
+    argmax hits, or with D-PACE sums the detached confidence ``exp(-CE)``
+    (its running mean makes the position weights)."""
+    logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, Bs-1, V]
+    Bs1 = logp.shape[2]
+    j = mx.arange(1, Bs1 + 1)
+    pos = anchors[:, :, None] + j[None, None, :]  # the predicted token's position a+k
+    # label of x_{a+k}: the target's distribution at position a+k-1
+    T = toks.shape[1]
+    src = mx.clip(pos - 1, 0, T - 1)
+    B, K = anchors.shape
+    flat = src.reshape(B, K * Bs1)
+    lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
+    lab = lab - mx.logsumexp(lab, axis=-1, keepdims=True)
+    tgt = mx.argmax(lab, axis=-1)
+    if targets == "soft":
+        per = (mx.exp(lab) * (lab - logp)).sum(-1)
+    else:
+        per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    vf = valid.astype(mx.float32)  # [B, K, Bs-1]
+    n = vf.sum(axis=(0, 1))
+    step_loss = (per * vf).sum(axis=(0, 1)) / mx.maximum(n, 1.0)
+    total = (w * step_loss).sum()
+    if dpace:
+        ce = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        correct = (_sg(mx.exp(-ce)) * vf).sum(axis=(0, 1))
+    else:
+        correct = ((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1))
+    return total, step_loss, correct, n
+
+
+class DFlashTrainer:
+    kind = "dflash"
+
+    def __init__(self, target, options: dict, examples, cfg):
+        from ..drafters.dflash.config import parse
+        from ..drafters.dflash.model import DFlashModel
+
+        opts = dict(options or {})
+        tc = type(target).text_config(target.config)
+        n = int(tc["num_hidden_layers"])
+        geo = next(iter(type(target).attention_geometry(target.config).values()))
+        layers = int(opts.pop("num_hidden_layers", 2))
+        block = int(opts.pop("block_size", 8))
+        ids = opts.pop("target_layer_ids", [max(0, n // 4), n // 2, max(0, n - 2)])
+        mask_id = int(opts.pop("mask_token_id", _unused_token(examples, target.vocab_size)))
+        rp = dict(tc.get("rope_parameters") or {})
+        rp = dict(rp.get("full_attention", rp))
+        rp.setdefault("rope_theta", float(tc.get("rope_theta", 10000.0)))
+        self.hf_config = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": target.hidden_size, "num_hidden_layers": layers,
+            "num_attention_heads": geo["num_attention_heads"], "num_key_value_heads": geo["num_key_value_heads"],
+            "head_dim": geo["head_dim"], "intermediate_size": int(opts.pop("intermediate_size", tc.get("intermediate_size") or 4 * target.hidden_size)),
+            "rms_norm_eps": float(tc.get("rms_norm_eps", 1e-6)), "rope_theta": rp["rope_theta"], "rope_parameters": rp,
+            "max_position_embeddings": int(tc.get("max_position_embeddings", 4096)),
+            "layer_types": opts.pop("layer_types", ["full_attention"] * layers), "sliding_window": opts.pop("sliding_window", None),
+            "use_sliding_window": False, "vocab_size": target.vocab_size, "num_target_layers": n, "block_size": block,
+            "tie_word_embeddings": False,
+            "dflash_config": {"block_size": block, "target_layer_ids": list(ids), "mask_token_id": mask_id},
+        }
+        if opts:
+            raise ValueError(f"unknown DFlash drafter option(s): {', '.join(sorted(opts))}")
+        if self.hf_config["sliding_window"]:
+            self.hf_config["use_sliding_window"] = True
+        self.cfg = parse(self.hf_config)
+        self.model = DFlashModel(self.cfg)
+        mx.eval(self.model.parameters())
+        self.target = target
+        self.anchors = cfg.anchors
+        self.targets = cfg.targets
+        self.dpace = cfg.step_weights == "position"
+        self.seed = cfg.seed
+        self.config_id = {"kind": "dflash", "config": self.hf_config}
+
+    def batch(self, toks, lmask, lens, step: int):
+        hidden, taps = target_states(self.target, toks, self.cfg.taps)
+        feats = mx.concatenate([taps[i] for i in self.cfg.taps], axis=-1)
+        labels = _sg(self.target.logits(hidden))
+        anchors, valid = _anchors(np.array(lmask), np.array(lens), self.anchors, self.cfg.block_size, self.seed, step)
+        return (feats, labels, toks, mx.array(anchors), mx.array(valid))
+
+    def loss(self, model, feats, labels, toks, anchors, valid, w):
+        return dflash_loss(model, self.target, feats, labels, toks, anchors, valid, w, self.cfg.mask_token_id,
+                           self.targets, self.dpace)
+
+    def save(self, out, dtype=None):
+        from mlx.utils import tree_flatten
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = dict(tree_flatten(self.model.parameters()))
+        if dtype:
+            dt = getattr(mx, dtype)
+            weights = {k: v.astype(dt) for k, v in weights.items()}
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({**self.hf_config, "torch_dtype": dtype or "float32"}, indent=2))
+
+
+def _unused_token(examples, vocab: int) -> int:
+    """A token id the data never uses (the DFlash mask token), preferring high ids."""
+    seen = np.zeros(vocab, bool)
+    for e in examples:
+        seen[np.asarray(e.tokens)] = True
+    free = np.nonzero(~seen)[0]
+    return int(free[-1]) if len(free) else vocab - 1
+
+
+def _anchors(lmask, lens, k: int, block: int, seed: int, step: int):
+    """``k`` random anchors per row inside its loss region and, per block row
+    ``1..block-1``, whether its label is a loss token inside the row."""
+    rng = np.random.default_rng([seed, step, 7])
+    B, T = lmask.shape
+    anchors = np.zeros((B, k), np.int32)
+    valid = np.zeros((B, k, block - 1), bool)
+    for b in range(B):
+        loss_pos = np.nonzero(lmask[b, : lens[b]])[0]
+        cand = np.unique(np.clip(loss_pos - 1, 0, None))
+        cand = cand[cand + 1 < lens[b]]
+        if len(cand) == 0:
+            continue
+        a = rng.choice(cand, size=k, replace=len(cand) < k)
+        anchors[b] = a
+        for i, ai in enumerate(a):
+            for r in range(1, block):
+                p = ai + r
+                valid[b, i, r - 1] = p < lens[b] and bool(lmask[b, p])
+    return anchors, valid
+
+
+# --------------------------------------------------------------------------------------
+# the entry point
+# --------------------------------------------------------------------------------------
+def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, examples=None) -> dict:
+    """Train an ``eagle3`` or ``dflash`` drafter; write it to ``out`` in its
+    published format (a Speculators checkpoint / a z-lab DFlash checkpoint)."""
+    from .loop import optimize, training_data
+
+    if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
+        drafter_options = json.loads(Path(drafter_options).read_text())
+    examples, _, distill, cache_summary = training_data(target, data_spec, out, cfg, examples)
+    mx.random.seed(cfg.seed)
+    trainer = (Eagle3Trainer if kind == "eagle3" else DFlashTrainer)(target, drafter_options, examples, cfg)
+    n_loss = cfg.unroll if kind == "eagle3" else trainer.cfg.block_size - 1
+
+    def make_batch(step):
+        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+        toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
+        args = trainer.batch(toks, lmask, lens) if kind == "eagle3" else trainer.batch(toks, lmask, lens, step)
+        return args, lens_np
+
+    step, acc_ema, tokens_seen, last, elapsed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
+                                                         trainer.config_id, n_loss)
+    trainer.save(out, dtype=cfg.save_dtype)
+    summary = {
+        "kind": kind, "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1), "examples": len(examples),
+        "loss_tokens_per_epoch": int(sum(int(e.loss.sum()) for e in examples)), "final": last, "acc_ema": acc_ema,
+        "data": data_spec,
+    }
+    if distill is not None:
+        summary["distill"] = distill
+    if cache_summary is not None:
+        summary["cache"] = cache_summary
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def geometric_decay(gamma: float) -> float:
+    """The per-position decay of DFlash's weights ``exp(-(k-1)/gamma)``."""
+    return math.exp(-1.0 / gamma)
