@@ -24,9 +24,19 @@ The result is a log-softmax; removed tokens get ``-inf``.
 Speculative acceptance:
 
 * :func:`greedy_accept` -- exact-match against the target argmax.
+* :func:`coupled_accept` -- position-keyed Gumbel coupling: the target's token
+  at every verified position is drawn by Gumbel-max with noise keyed by the
+  row's seed and that **absolute position** (:func:`position_keys`), and a
+  draft is accepted while it equals it.  Lossless (each emitted token is an
+  exact sample of the processed target distribution given its prefix), and
+  the output is exactly what target-only sampling with the same seed gives:
+  it does not depend on the drafts, the block size, the batch or the round.
+  For drafts chosen deterministically (argmax, ``q`` one-hot) a draft is
+  accepted with probability ``p(d)``, the same as rejection sampling.
 * :func:`rejection_accept` -- Leviathan et al. / Chen et al. speculative
-  sampling; lossless, i.e. the emitted tokens are distributed exactly as
-  target-only sampling from the processed target distribution.
+  sampling, for drafts *sampled* from a drafter distribution ``q``;
+  lossless, i.e. the emitted tokens are distributed exactly as target-only
+  sampling from the processed target distribution.
 """
 
 from __future__ import annotations
@@ -52,6 +62,9 @@ __all__ = [
     "sample_logits",
     "split_keys",
     "row_keys",
+    "position_keys",
+    "coupled_sample",
+    "coupled_accept",
 ]
 
 _NEG_INF = float("-inf")
@@ -466,3 +479,61 @@ def rejection_accept(
     d_pad = mx.concatenate([d, bonus], axis=1)
     tokens = mx.where(pos < counts[:, None], d_pad, extra)
     return counts, tokens
+
+
+# --------------------------------------------------------------------------
+# position-keyed Gumbel coupling
+
+
+_M1, _M2, _M3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+
+
+def position_keys(keys: Any, positions: Any) -> mx.array:
+    """Per-row, per-position PRNG keys ``[B, L, 2]`` from row keys ``[B, 2]``
+    and absolute token positions ``[B, L]``: a fixed mixing of the row key
+    with the position, so a token's noise depends only on (row seed,
+    position) -- not on the round, the block or the batch."""
+    k = _as_array(keys).astype(mx.uint32)
+    p = _as_array(positions).astype(mx.uint32)
+    hi = k[:, None, 0] ^ (p * _M1)
+    lo = k[:, None, 1] ^ (p * _M2 + _M3)
+    return mx.stack([hi, lo], axis=-1)
+
+
+def _gumbel(keys: mx.array, V: int) -> mx.array:
+    B, L = keys.shape[:2]
+    flat = keys.reshape(B * L, 2)
+    g = mx.vmap(lambda kk: mx.random.gumbel(shape=(V,), key=kk))(flat)
+    return g.reshape(B, L, V)
+
+
+def coupled_sample(logprobs: Any, keys: Any, positions: Any) -> mx.array:
+    """Gumbel-max samples of ``logprobs [B, L, V]`` (or ``[B, V]`` with
+    ``positions [B]``), noise keyed by (row key, position): ``[B, L]`` int32."""
+    lp = _as_array(logprobs)
+    squeeze = lp.ndim == 2
+    if squeeze:
+        lp, positions = lp[:, None, :], _as_array(positions)[:, None]
+    g = _gumbel(position_keys(keys, positions), lp.shape[-1])
+    out = mx.argmax(lp + g, axis=-1).astype(mx.int32)
+    return out[:, 0] if squeeze else out
+
+
+def coupled_accept(target_logprobs: Any, draft_tokens: Any, keys: Any, positions: Any,
+                   active: Any = None) -> tuple[mx.array, mx.array]:
+    """Lossless acceptance by coupling (see the module docstring).
+
+    ``target_logprobs`` ``[B, k+1, V]`` (processed) at ``[last, d_1..d_k]``;
+    ``positions`` ``[B, k+1]``: the absolute position of the token each row
+    predicts (``last``'s position + 1 + l).  Returns ``counts`` ``[B]`` and
+    ``tokens`` ``[B, k+1]``: the target's coupled sample at every position --
+    the accepted drafts equal it, and the entry after them is the
+    correction or bonus.  Greedy rows (one-hot ``p``) reduce to
+    :func:`greedy_accept`.  ``active`` ``[B]`` bool: inactive rows accept nothing."""
+    t = coupled_sample(target_logprobs, keys, positions)
+    k = t.shape[1] - 1
+    d = mx.array(draft_tokens).astype(mx.int32).reshape(t.shape[0], k)
+    match = d == t[:, :k]
+    if active is not None:
+        match = match & _as_array(active)[:, None]
+    return _prefix_count(match), t

@@ -133,3 +133,30 @@ def test_seeded_runs_reproduce(sessions):
         outs.append(o)
     assert outs[0] == outs[1]
     assert len({tuple(v) for v in outs[0].values()}) > 1  # different seeds differ
+
+
+def test_seeded_rows_are_batch_block_and_drafter_invariant():
+    """A seeded row's tokens depend on its own request only: alone or among
+    others, at any block size, with any drafter or none, it gets its
+    target-only sampled output (noise keyed by seed and position)."""
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 60)), PROMPT[3:11]]
+    sps = [SamplingParams(temperature=0.9, top_p=0.95, seed=11), SamplingParams(temperature=0.7, seed=5),
+           SamplingParams(temperature=1.2, top_k=20, seed=2**62), SamplingParams()]  # the last one greedy
+
+    def run(session, idx):
+        reqs = [make_request(session, prompts[i], max_tokens=18, sampling=sps[i], request_id=str(i)) for i in idx]
+        out = {r.id: [] for r in reqs}
+        for ev in generate_stream(session, reqs):
+            out[ev.request_id].extend(ev.tokens)
+        return out
+
+    alone = make_session("e", block_size=1, with_drafter=False)
+    want = {str(i): run(alone, [i])[str(i)] for i in range(4)}
+    assert len({tuple(v) for v in want.values()}) == 4
+    bad = make_plugin_manager([RandomPlugin()], autoload=False)
+    for s in (make_session("e", block_size=4), make_session("e", block_size=2),
+              make_session("e", block_size=None), make_session("e", block_size=6),
+              make_session("e", block_size=3, with_drafter=False, plugins=bad, model={"draft_kind": "random"})):
+        got = run(s, [0, 1, 2, 3])
+        assert got == want, s.config.draft
+        assert run(s, [2, 0]) == {"2": want["2"], "0": want["0"]}

@@ -51,9 +51,14 @@ class GreedySampler(_Processors):
 class RejectionSampler(_Processors):
     """Lossless speculative sampling on the processed target distribution.
 
-    Every row keeps its own PRNG key (from its request's ``seed``), so a row's
-    output depends only on its seed, not on what else is in the batch.  Drafts
-    chosen by argmax are verified with a one-hot ``q``.
+    Every row has its own PRNG key (from its request's ``seed``).  Drafts
+    chosen by argmax (``DraftBlock.probs is None``: every built-in drafter)
+    are verified by position-keyed Gumbel coupling
+    (:func:`mtpflow.sampling.coupled_accept`): the token at each position is
+    drawn with noise keyed by (seed, position), so a seeded row's output is
+    exactly its target-only sampled output -- whatever the batch, its
+    neighbours, the block size or the round.  Sampled drafts (with ``probs``)
+    go through rejection sampling (:func:`mtpflow.sampling.rejection_accept`).
     """
 
     name = "rejection"
@@ -81,6 +86,12 @@ class RejectionSampler(_Processors):
         """The :class:`~mtpflow.state.SamplingParams` a row is sampled with
         (its request's; a subclass may override them)."""
         return row.request.sampling
+
+    def _keys(self, rows):
+        """The rows' own keys ``[B, 2]`` (they never advance: noise is keyed by position)."""
+        import mlx.core as mx
+
+        return mx.stack([r.rng for r in rows])
 
     def _round_keys(self, rows):
         """This round's key per row; each row's stored key advances."""
@@ -111,17 +122,22 @@ class RejectionSampler(_Processors):
     def first(self, logits, state):
         import mlx.core as mx
 
-        from mtpflow.sampling import process_logits, sample
+        from mtpflow.sampling import coupled_sample, process_logits
 
         rows = self.rows if state is None else state.rows
         self._sync(rows)
         logits = self._pre(logits, rows)
         if self.params.all_greedy and self._context(rows) is None:
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # no randomness needed
-        return sample(process_logits(logits, self.params, self._context(rows)), self._round_keys(rows))
+        lp = process_logits(logits, self.params, self._context(rows))
+        # the first generated token sits right after the prompt
+        positions = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32)
+        return coupled_sample(lp, self._keys(rows), positions)
 
     def accept(self, logits, draft, state):
-        from mtpflow.sampling import greedy_accept, process_logits, rejection_accept
+        import mlx.core as mx
+
+        from mtpflow.sampling import coupled_accept, greedy_accept, process_logits, rejection_accept
         from mtpflow.state import AcceptResult
 
         self._sync(state.rows)
@@ -131,8 +147,11 @@ class RejectionSampler(_Processors):
             counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
         else:
             lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
-            keys = self._round_keys(state.rows)
-            counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, keys, draft.active)
+            if draft.probs is None:
+                positions = state.positions[:, None] + 1 + mx.arange(draft.n_draft + 1, dtype=mx.int32)[None]
+                counts, tokens = coupled_accept(lp, draft.tokens, self._keys(state.rows), positions, draft.active)
+            else:
+                counts, tokens = rejection_accept(lp, draft.tokens, draft.probs, self._round_keys(state.rows), draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
 
