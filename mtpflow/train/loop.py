@@ -36,6 +36,7 @@ only the drafter's parameters are handed to ``value_and_grad``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +46,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafters.gemma4_assistant.masks import drafter_mask
 from ..drafters.mtpflow_assistant.config import make_config, check_compatible
@@ -53,6 +53,7 @@ from ..drafters.mtpflow_assistant.drafter import save_drafter
 from ..drafters.mtpflow_assistant.model import GenericAssistantModel
 from ..targets.base import SLIDING
 from . import data as data_mod
+from .checkpoint import CheckpointError, load_checkpoint, repair_log, save_checkpoint  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -394,26 +395,6 @@ class _Progress:
             self.bar.close()
 
 
-def save_checkpoint(ckpt: Path, model, opt, state: dict) -> None:
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / "tmp"
-    tmp.mkdir(exist_ok=True)
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-    (tmp / "state.json").write_text(json.dumps(state))
-    for f in ("model.safetensors", "optimizer.safetensors", "state.json"):
-        (tmp / f).replace(ckpt / f)
-    tmp.rmdir()
-
-
-def load_checkpoint(ckpt: Path, model, opt) -> dict | None:
-    if not (ckpt / "state.json").is_file():
-        return None
-    model.load_weights(list(mx.load(str(ckpt / "model.safetensors")).items()), strict=True)
-    opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
-    return json.loads((ckpt / "state.json").read_text())
-
-
 # ------------------------------------------------------------------------------ the optimiser loop
 def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int):
     """AdamW over ``model``'s trainable parameters until ``cfg.steps``
@@ -427,7 +408,7 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     tokens_seen, last_log, elapsed_s)``."""
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
     ckpt = out / "checkpoint"
-    state = load_checkpoint(ckpt, model, opt)
+    state = load_checkpoint(ckpt, model, opt, config_id)
     step = 0
     acc_ema = [0.5] * n_steps_loss
     tokens_seen = 0
@@ -435,11 +416,12 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     if state is not None:
         step, acc_ema = state["step"], state["acc_ema"]
         tokens_seen, elapsed_prev = state["tokens_seen"], state.get("elapsed_s", 0.0)
-        if state.get("drafter_config") != config_id:
-            raise ValueError(f"{ckpt}: the checkpoint was written for another drafter config; use a new --out")
+    log_path = out / "train_log.jsonl"
+    if step < cfg.steps:  # the log continues the checkpoint's history (a kill's partial line and later steps go)
+        repair_log(log_path, step)
 
     grad_fn = nn.value_and_grad(model, loss_fn)
-    log_f = open(out / "train_log.jsonl", "a")
+    log_f = open(log_path, "a")
     bar = _Progress(cfg.steps, step, cfg.progress)
     t0 = time.time()
     last = {}
@@ -469,6 +451,8 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
                 log_f.flush()
             bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema))
             if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
+                log_f.flush()  # the log holds every step of the checkpoint before it is written
+                os.fsync(log_f.fileno())
                 save_checkpoint(ckpt, model, opt, {
                     "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
                     "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": config_id,
