@@ -61,6 +61,17 @@ class ModelConfig:
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
 
+def _check_tree(value) -> None:
+    if value in ("off", "auto"):
+        return
+    from .state import TreeShape
+
+    try:
+        TreeShape.parse(value)
+    except ValueError as exc:
+        raise FieldError("tree", str(exc)) from None
+
+
 #: block size when neither the config nor the drafter checkpoint names one
 FALLBACK_BLOCK_SIZE = 4
 
@@ -83,6 +94,10 @@ class DraftConfig:
     #: drafter LM head: "auto" = what the drafter checkpoint says, or the name
     #: of a registered head (``mtpflow_register_lm_heads``)
     head: str = "auto"
+    #: draft trees: "off" (chains), a shape ("4,2,1": children per depth;
+    #: "dynamic:TOPK:WIDTH:DEPTH": EAGLE-2's), or "auto" (the adaptive policy
+    #: measures a few shapes against the chains and uses a tree only where it pays)
+    tree: str = field(default="off", validator=lambda i, a, v: _check_tree(v))
 
     def __attrs_post_init__(self):
         if self.block_size is not None and self.block_size > 32:

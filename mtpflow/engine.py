@@ -79,6 +79,12 @@ class Session:
 
         return needed_layers(getattr(self.drafter, "needs", ()) or ())
 
+    def trees_supported(self, state) -> bool:
+        """Whether this round may verify a tree: a drafter that drafts trees and
+        a sampler whose processing does not read the drafts' history."""
+        supports = getattr(self.sampler, "supports_trees", None)
+        return hasattr(self.drafter, "propose_tree") and (supports is None or supports(state))
+
     @property
     def drafter_commit(self):
         """The drafter's ``commit(session, state, accepted)``, or ``None``."""

@@ -29,7 +29,7 @@ import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Session
-    from .state import AcceptResult, BatchState, DraftBlock, Request, RoundRecord, SharedKV, VerifyResult
+    from .state import AcceptResult, BatchState, DraftBlock, Request, RoundRecord, SharedKV, TreeShape, VerifyResult
 
 #: the ``register(name, obj)`` callback a registry hook receives
 Register = Callable[[str, Any], None]
@@ -105,14 +105,23 @@ def mtpflow_bind_shared_kv(session: Session, state: BatchState) -> SharedKV:
 
 
 @hookspec(firstresult=True)
-def mtpflow_draft_block(session: Session, state: BatchState, shared: SharedKV, block_size: int) -> DraftBlock:
-    """Propose ``block_size - 1`` draft tokens per row.
+def mtpflow_draft_block(
+    session: Session, state: BatchState, shared: SharedKV, block_size: int, tree: TreeShape | None
+) -> DraftBlock:
+    """Propose ``block_size - 1`` draft tokens per row, or a tree of them.
 
     :param session: the generation session.
     :param state: the live :class:`mtpflow.state.BatchState`.
     :param shared: the :class:`mtpflow.state.SharedKV` of this round.
-    :param block_size: tokens verified per row this round (drafts + 1).
-    :return: a :class:`mtpflow.state.DraftBlock` (lazy arrays).
+    :param block_size: tokens verified per row this round (drafts + 1; for a
+        tree: its nodes + 1).
+    :param tree: the :class:`mtpflow.state.TreeShape` the block policy asked
+        for, or ``None`` for a chain; a drafter that cannot draft trees
+        proposes a chain of ``block_size - 1``.
+    :return: a :class:`mtpflow.state.DraftBlock` (lazy arrays; ``parents``
+        set for a tree).
+
+    .. versionchanged:: 0.2 the ``tree`` keyword.
 
     ``firstresult``: yes.
 

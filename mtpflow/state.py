@@ -90,6 +90,63 @@ class SharedKV:
 
 
 @frozen(kw_only=True)
+class TreeShape:
+    """The shape of a draft tree a block policy asks for.
+
+    ``branching``: children per node at each depth (static, e.g. ``(4, 2,
+    1)``: 4 + 8 + 8 = 20 nodes); or, with ``width`` set, a **dynamic** tree
+    (EAGLE-2): ``depth`` levels, each keeping the ``width`` candidates with
+    the highest cumulative draft probability among ``branching[0]`` children
+    per frontier node.  A chain of ``k`` drafts is ``TreeShape(branching=(1,) * k)``.
+    """
+
+    branching: tuple[int, ...]
+    width: int | None = None
+    depth: int | None = None
+
+    @property
+    def levels(self) -> int:
+        return self.depth if self.width is not None else len(self.branching)
+
+    @property
+    def nodes(self) -> int:
+        if self.width is not None:
+            return sum(min(self.width, self.branching[0] ** (d + 1)) for d in range(self.levels))
+        n, per = 0, 1
+        for b in self.branching:
+            per *= b
+            n += per
+        return n
+
+    @property
+    def is_chain(self) -> bool:
+        return self.width is None and all(b == 1 for b in self.branching)
+
+    def describe(self) -> str:
+        if self.width is not None:
+            return f"dynamic:{self.branching[0]}x{self.width}x{self.depth}"
+        return "[" + ",".join(str(b) for b in self.branching) + "]"
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """``"4,2,1"`` / ``"[4,2,1]"`` (static) or ``"dynamic:TOPK:WIDTH:DEPTH"``."""
+        t = str(text).strip()
+        try:
+            if t.startswith("dynamic:"):
+                k, w, d = (int(x) for x in t.split(":")[1:])
+                if min(k, w, d) < 1:
+                    raise ValueError
+                return cls(branching=(k,), width=w, depth=d)
+            parts = tuple(int(x) for x in t.strip("[]").split(",") if x.strip())
+            if not parts or min(parts) < 1:
+                raise ValueError
+            return cls(branching=parts)
+        except ValueError:
+            raise ValueError(f"tree shape {text!r}: use a list of children per depth like '4,2,1' "
+                             "or 'dynamic:TOPK:WIDTH:DEPTH'") from None
+
+
+@frozen(kw_only=True)
 class DraftBlock:
     """Drafted tokens ``[B, k]`` (``k`` may be 0) and, for sampling, the
     drafter's processed distribution: ``probs`` ``[B, k, V]`` or ``None`` when
@@ -102,6 +159,18 @@ class DraftBlock:
     #: ``[B]`` bool, rows whose drafts may be accepted; ``None`` = all rows
     #: (rows of requests with ``speculative=False`` are inactive)
     active: Any = array_field(default=None)
+    #: a **tree** of candidates instead of a chain: ``parents`` ``[B, k]`` int32,
+    #: the parent of each drafted node as an index into the verified inputs
+    #: ``[last, tokens...]`` (0 = the root, ``last``; a node's parent comes
+    #: before it), and ``depth`` ``[B, k]`` (1 = a child of the root).  ``None``:
+    #: a chain (node ``i``'s parent is node ``i - 1``) -- the one-branch tree.
+    parents: Any = array_field(default=None)
+    depth: Any = array_field(default=None)
+    max_depth: int = 0
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @frozen(kw_only=True)
@@ -126,6 +195,9 @@ class AcceptResult:
 
     counts: Any = array_field()
     tokens: Any = array_field()
+    #: trees: ``[B, D]`` the verified-input index of the accepted node at each
+    #: depth ``1..D`` (entries past ``counts`` carry no meaning); ``None``: a chain
+    path: Any = array_field(default=None)
 
 
 @define(kw_only=True)
@@ -212,6 +284,9 @@ class RoundRecord:
     verify_s: float
     host_s: float
     syncs: int = 1
+    #: nodes verified per row (a chain: ``drafted``); a tree's shape, if any
+    nodes: int | None = None
+    tree: str | None = None
     #: per row, tokens the round's target forward produced: ``emitted`` plus
     #: the stop token that ended the row (produced, not emitted); ``None`` =
     #: same as ``emitted``.  τ counts these (see :mod:`mtpflow.metrics`).

@@ -3,16 +3,32 @@
 from mtpflow import hookimpl
 
 
+#: the shapes the adaptive policy measures with ``[draft] tree = "auto"``
+AUTO_TREES = ("2,1,1", "2,2,1", "3,2,1", "4,2,1", "4,2,2,1")
+
+
+def configured_trees(config) -> list:
+    from mtpflow.state import TreeShape
+
+    t = config.draft.tree
+    if t == "off":
+        return []
+    return [TreeShape.parse(x) for x in (AUTO_TREES if t == "auto" else (t,))]
+
+
 class FixedBlockPolicy:
-    """Always verify ``draft.block_size`` tokens per row (drafts + 1)."""
+    """Always verify ``draft.block_size`` tokens per row (drafts + 1), or,
+    with ``[draft] tree`` set to a shape, always that tree."""
 
     name = "fixed"
 
     def __init__(self, config):
         self.size = config.draft.size
+        trees = configured_trees(config) if config.draft.tree != "auto" else []
+        self.tree = trees[0] if trees else None
 
-    def block_size(self, stats) -> int:
-        return self.size
+    def block_size(self, stats):
+        return self.tree if self.tree is not None else self.size
 
     def observe(self, record) -> None:
         pass
@@ -57,6 +73,11 @@ class AdaptiveBlockPolicy:
     def __init__(self, config):
         self.max_k = max(config.draft.max_block_size, config.draft.size)
         self.start = config.draft.size
+        # tree arms: measured directly (tokens per row per round / seconds per round, EMAs)
+        self.trees = configured_trees(config)
+        self.tree_tokens: dict[str, float] = {}
+        self.tree_cost: dict[str, float] = {}
+        self._tree_next = 0
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
         self.step_s: float | None = None
@@ -125,13 +146,31 @@ class AdaptiveBlockPolicy:
         return max(range(1, self.max_k + 1), key=self.predicted_rate)
 
     # -- the policy protocol -------------------------------------------------------
-    def block_size(self, stats) -> int:
+    def tree_rate(self, shape) -> float:
+        key = shape.describe()
+        return self.tree_tokens[key] / max(self.tree_cost[key], 1e-9)
+
+    def block_size(self, stats):
         if self.start not in self.verify:
             return self.start
         if 1 not in self.verify:
             return 1
+        untried = [t for t in self.trees if t.describe() not in self.tree_tokens]
+        if untried:  # every tree shape once, after the chain's first measurements
+            return untried[0]
         self.rounds += 1
         best = self.best()
+        if self.trees:
+            tree = max(self.trees, key=self.tree_rate)
+            if self.tree_rate(tree) > self.predicted_rate(best):
+                if self.rounds >= self._next:  # now and then a chain, so the comparison follows changes
+                    self._wait = min(2 * self._wait, self.max_explore_every)
+                    self._next = self.rounds + self._wait
+                    return best
+                return tree
+            if self.rounds >= self._tree_next:  # now and then the best tree
+                self._tree_next = self.rounds + self._wait
+                return tree
         if best != self._best:  # the model moved: watch it closely again
             self._best, self._wait = best, self.explore_every
             self._next = self.rounds + self._wait
@@ -145,8 +184,18 @@ class AdaptiveBlockPolicy:
         return best
 
     def observe(self, record) -> None:
-        k = record.block_size
         a = self.alpha
+        if record.tree is not None:
+            key = record.tree
+            tok = sum(n + 1 for n in record.accepted) / max(record.batch_size, 1)
+            cost = record.draft_s + record.verify_s + record.host_s
+            if key in self.tree_tokens:
+                self.tree_tokens[key] = (1 - a) * self.tree_tokens[key] + a * tok
+                self.tree_cost[key] = (1 - a) * self.tree_cost[key] + a * cost
+            else:
+                self.tree_tokens[key], self.tree_cost[key] = tok, cost
+            return
+        k = record.block_size
         self.seen[k] = self.seen.get(k, 0) + 1
         v = record.verify_s + record.host_s
         if v > 0:

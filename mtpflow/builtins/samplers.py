@@ -40,12 +40,34 @@ class GreedySampler(_Processors):
         rows = self.rows if state is None else state.rows
         return mx.argmax(self._pre(logits, rows), axis=-1).astype(mx.int32)
 
+    def supports_trees(self, state) -> bool:
+        return not self.processors  # processors read the drafts as a chain
+
     def accept(self, logits, draft, state):
+        import mlx.core as mx
+
         from mtpflow.sampling import greedy_accept
         from mtpflow.state import AcceptResult
 
+        if draft.is_tree:
+            return _tree_result(state, draft, mx.argmax(logits, axis=-1).astype(mx.int32))
         counts, tokens = greedy_accept(self._pre(logits, state.rows, draft.tokens), draft.tokens, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
+
+
+def _tree_result(state, draft, samples):
+    """Walk a verified tree given the target's token at every node (see
+    :func:`mtpflow.sampling.tree_accept`)."""
+    import mlx.core as mx
+
+    from mtpflow.builtins.stages import tree_inputs
+    from mtpflow.sampling import tree_accept
+    from mtpflow.state import AcceptResult
+
+    parents, depth, visible = tree_inputs(state, draft)
+    inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
+    counts, tokens, path = tree_accept(samples, inputs, parents, depth, visible, draft.max_depth, draft.active)
+    return AcceptResult(counts=counts, tokens=tokens, path=path)
 
 
 class RejectionSampler(_Processors):
@@ -81,6 +103,12 @@ class RejectionSampler(_Processors):
             keys = row_keys(seeds)
             for i, r in enumerate(fresh):
                 r.rng = keys[i]
+
+    def supports_trees(self, state) -> bool:
+        """Trees need processing that does not read the drafts' history
+        (configured processors and repetition penalties see a chain)."""
+        self._sync(state.rows)
+        return not self.processors and not self.params.use_repetition
 
     def sampling_of(self, row):
         """The :class:`~mtpflow.state.SamplingParams` a row is sampled with
@@ -137,10 +165,20 @@ class RejectionSampler(_Processors):
     def accept(self, logits, draft, state):
         import mlx.core as mx
 
-        from mtpflow.sampling import coupled_accept, greedy_accept, process_logits, rejection_accept
+        from mtpflow.sampling import coupled_accept, coupled_sample, greedy_accept, process_logits, rejection_accept
         from mtpflow.state import AcceptResult
 
         self._sync(state.rows)
+        if draft.is_tree:
+            lp = process_logits(logits, self.params)  # greedy rows: one-hot at the (biased) argmax
+            if self.params.all_greedy:
+                samples = mx.argmax(lp, axis=-1).astype(mx.int32)
+            else:  # every node's token: the coupled sample at its own position (root + depth + 1)
+                from mtpflow.builtins.stages import tree_inputs
+
+                _, depth, _ = tree_inputs(state, draft)
+                samples = coupled_sample(lp, self._keys(state.rows), state.positions[:, None] + depth + 1)
+            return _tree_result(state, draft, samples)
         logits = self._pre(logits, state.rows, draft.tokens)
         if self.params.all_greedy and self._context(state.rows) is None:
             # greedy rows need no randomness and no vocab-sized one-hots

@@ -12,7 +12,7 @@ import attrs
 import mlx.core as mx
 
 from mtpflow import hookimpl
-from mtpflow.state import AcceptResult, BatchState, DraftBlock, RoundRecord, RowState, SharedKV, VerifyResult
+from mtpflow.state import AcceptResult, BatchState, DraftBlock, RoundRecord, RowState, SharedKV, TreeShape, VerifyResult
 
 PAD_ID = 0
 
@@ -93,12 +93,25 @@ def mtpflow_bind_shared_kv(session, state):
 
 
 @hookimpl
-def mtpflow_draft_block(session, state, shared, block_size):
-    block = session.drafter.propose(session, state, shared, block_size - 1)
+def mtpflow_draft_block(session, state, shared, block_size, tree):
+    if tree is not None and hasattr(session.drafter, "propose_tree"):
+        block = session.drafter.propose_tree(session, state, shared, tree)
+    else:
+        block = session.drafter.propose(session, state, shared, block_size - 1)
     if all(r.request.speculative for r in state.rows):
         return block
     # rows of requests with speculative=False accept nothing
     return attrs.evolve(block, active=mx.array([r.request.speculative for r in state.rows]))
+
+
+def tree_inputs(state, draft):
+    """``(parents, depth, visible)`` of a tree draft's verified inputs (root first)."""
+    from mtpflow.sampling import tree_visibility
+
+    B = state.size
+    parents = mx.concatenate([mx.full((B, 1), -1, mx.int32), draft.parents.astype(mx.int32)], axis=1)
+    depth = mx.concatenate([mx.zeros((B, 1), mx.int32), draft.depth.astype(mx.int32)], axis=1)
+    return parents, depth, tree_visibility(parents, draft.max_depth)
 
 
 @hookimpl
@@ -106,7 +119,12 @@ def mtpflow_verify(session, state, draft):
     target = session.target
     inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
     target.set_offsets(state.cache, state.positions)
-    hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers)
+    if draft.is_tree:
+        # one forward over every node: each at root + depth, seeing its ancestors only
+        _, depth, visible = tree_inputs(state, draft)
+        hidden, taps = target.forward_tree(inputs, state.cache, state.positions[:, None] + depth, visible, session.tap_layers)
+    else:
+        hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers)
     return VerifyResult(logits=target.logits(hidden), hidden=hidden, inputs=inputs, taps=taps)
 
 
@@ -122,16 +140,37 @@ def mtpflow_advance(session, state, draft, verify, accepted):
     keep_host = [n + 1 for n in counts]
     keep = mx.array(keep_host, dtype=mx.int32)
     next_pos = state.positions + keep
-    trim = k - max(counts)
-    ragged = min(counts) != max(counts)
-    for c in state.cache:
-        c.rollback(k + 1, keep, next_pos, trim, ragged)
-    state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
+    if accepted.path is not None:
+        # a tree: keep the root and the accepted path, drop every other branch
+        path = [[0] + p[:n] for p, n in zip(accepted.path, counts)]  # verified-input indices, in depth order
+        kept = [[False] * (k + 1) for _ in counts]
+        for row, idx in zip(kept, path):
+            for i in idx:
+                row[i] = True
+        trim = k - max(max(i) for i in path)
+        keep_mask = mx.array(kept)
+        for c in state.cache:
+            c.keep(k + 1, keep_mask, next_pos, trim)
+        D = max(len(p) for p in path)
+        order = mx.array([p + [p[-1]] * (D - len(p)) for p in path], dtype=mx.int32)  # [B, D]
+        last_idx = mx.take_along_axis(order, (keep - 1)[:, None], axis=1)[:, 0]
+        state.hidden = mx.take_along_axis(verify.hidden, last_idx[:, None, None], axis=1)[:, 0]
+        if verify.taps:  # the accepted path as a chain, for a drafter that reads target layers
+            state.fwd_tokens = mx.take_along_axis(verify.inputs, order, axis=1)
+            state.taps = {t: mx.take_along_axis(v, order[:, :, None], axis=1) for t, v in verify.taps.items()}
+            rel = mx.arange(D, dtype=mx.int32)[None]
+            state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
+    else:
+        trim = k - max(counts)
+        ragged = min(counts) != max(counts)
+        for c in state.cache:
+            c.rollback(k + 1, keep, next_pos, trim, ragged)
+        state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
+        if verify.taps:  # the verified block, for a drafter that reads target layers
+            rel = mx.arange(k + 1, dtype=mx.int32)[None]
+            state.fwd_tokens, state.taps = verify.inputs, verify.taps
+            state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
     state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
-    if verify.taps:  # the verified block, for a drafter that reads target layers
-        rel = mx.arange(k + 1, dtype=mx.int32)[None]
-        state.fwd_tokens, state.taps = verify.inputs, verify.taps
-        state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
     state.positions = next_pos
     emitted = []
     for row, t, n in zip(state.rows, toks, counts):
@@ -152,17 +191,21 @@ def mtpflow_round_protocol(session, state):
     t0 = time.perf_counter()
     index = state.round
     block = session.block_policy.block_size(session.stats)
+    tree = block if isinstance(block, TreeShape) else None
     # never draft past the longest remaining budget: drafts + bonus fit it (as
     # transformers); a drafter with `drafts_to_budget` drafts up to the budget
     # itself (as mlx-lm and z-lab's dflash_generate, whose blocks must match)
     remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
     drafting = session.drafter is not None and any(r.request.speculative for r in state.rows)
     budget = remaining if getattr(session.drafter, "drafts_to_budget", False) else remaining - 1
-    n_draft = max(0, min(block - 1, budget)) if drafting else 0
+    if tree is not None and (tree.levels > budget or not session.trees_supported(state)):
+        block, tree = min(tree.levels, max(budget, 0)) + 1, None  # too deep for the budget: a chain
+    n_draft = (tree.nodes if tree is not None else max(0, min(block - 1, budget))) if drafting else 0
     B = state.size
     if n_draft > 0:
         shared = hook.mtpflow_bind_shared_kv(session=session, state=state)
-        draft = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=n_draft + 1)
+        draft = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=n_draft + 1, tree=tree)
+        n_draft = draft.n_draft
         if session.config.trace.sync_timing:
             mx.eval(draft.tokens)
         else:
@@ -173,9 +216,10 @@ def mtpflow_round_protocol(session, state):
     verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
     acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
     # the round's single host synchronisation
-    mx.eval(acc.counts, acc.tokens, verify.hidden)
+    mx.eval(acc.counts, acc.tokens, verify.hidden, *(() if acc.path is None else (acc.path,)))
     t2 = time.perf_counter()
-    host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist())
+    host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist(),
+                        path=None if acc.path is None else acc.path.tolist())
     live = [not r.finished for r in state.rows]
     emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)
     # tokens each row's target forward produced: the emitted ones, plus the
@@ -185,8 +229,8 @@ def mtpflow_round_protocol(session, state):
     record = RoundRecord(
         round=index,
         batch_size=B,
-        block_size=n_draft + 1,
-        drafted=n_draft,
+        block_size=(draft.max_depth if draft.is_tree else n_draft) + 1,
+        drafted=draft.max_depth if draft.is_tree else n_draft,
         accepted=list(host.counts),
         emitted=[len(e) for e in emitted],
         produced=produced,
@@ -194,6 +238,8 @@ def mtpflow_round_protocol(session, state):
         verify_s=t2 - t1,
         host_s=t3 - t2,
         syncs=2 if (n_draft > 0 and session.config.trace.sync_timing) else 1,
+        nodes=n_draft,
+        tree=tree.describe() if draft.is_tree and tree is not None else None,
     )
     session.stats.observe(record)
     session.block_policy.observe(record)

@@ -92,6 +92,31 @@ class Ref:
         self.obj = obj
 
 
+def rope_at(rope, x, positions):
+    """RoPE of ``x [B, h, L, d]`` at per-row, per-query ``positions [B, L]``
+    (MLX's fast RoPE takes one offset per batch row: rows and queries are
+    folded into the batch, each at its own offset)."""
+    B, h, L, d = x.shape
+    flat = x.transpose(0, 2, 1, 3).reshape(B * L, h, 1, d)
+    out = rope(flat, offset=positions.reshape(B * L))
+    return out.reshape(B, L, h, d).transpose(0, 2, 1, 3)
+
+
+class _TreeRope:
+    """Stands in for an attention layer's RoPE during a tree verify: every
+    query / key at its node's own position (root + depth), whatever offset
+    the model code passes."""
+
+    def __init__(self, rope, positions):
+        self._rope, self._positions = rope, positions
+
+    def __call__(self, x, offset=0):
+        return rope_at(self._rope, x, self._positions)
+
+    def __getattr__(self, name):
+        return getattr(self._rope, name)
+
+
 class _Tap:
     """Stands in for one decoder layer during a forward: records the residual
     stream entering it (and, for the last layer, what leaves it)."""
@@ -228,6 +253,25 @@ class TargetAdapter:
         finally:
             inner.layers = orig
         return hidden, {lid: store[lid] for lid in layers}
+
+    def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array, layers=()):
+        """One forward over a tree of candidates ``tokens [B, N]`` (node 0:
+        the root), node ``i`` at ``positions[:, i]`` (root + depth) seeing the
+        cache and, among the nodes, only those with ``visible[:, i, j]`` (its
+        ancestors and itself).  Returns what :meth:`forward_with_taps` does."""
+        attns = [getattr(layer, "self_attn", None) for layer in self.decoder_layers]
+        saved = [(a, a.rope) for a in attns if a is not None and getattr(a, "rope", None) is not None]
+        for a, rope in saved:
+            a.rope = _TreeRope(rope, positions)
+        try:
+            for c in cache:
+                c._tree = (positions, visible)
+            return self.forward_with_taps(tokens, cache, layers)
+        finally:
+            for c in cache:
+                c._tree = None
+            for a, rope in saved:
+                a.rope = rope
 
     def prefill(self, seqs: list[list[int]], extra: int = 16, step: int = 512, pad_id: int = 0, taps=()):
         """A fresh cache holding ``seqs`` (left padded: padding has negative

@@ -22,6 +22,8 @@ forward in progress for every row.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 
 
@@ -37,6 +39,10 @@ class SlotKVCache:
         self.positions = None  # [B, cap] int32
         self.idx = 0  # slots in use
         self.offset = None  # [B] int32, position of the next token per row
+        #: a tree verify in progress: ``(positions [B, N], visible [B, N, N])``
+        #: -- the new slots' positions (root + depth) and which of them each
+        #: query sees (its ancestors and itself), see :meth:`tree`
+        self._tree = None
 
     # -- mlx-lm protocol -------------------------------------------------------------
     def _grow(self, B: int, n_kv: int, hd_k: int, hd_v: int, n_new: int, dtype) -> None:
@@ -62,7 +68,10 @@ class SlotKVCache:
         self.idx += L
         self.keys[..., prev : self.idx, :] = keys
         self.values[..., prev : self.idx, :] = values
-        self.positions[:, prev : self.idx] = self.offset[:, None] + mx.arange(L, dtype=mx.int32)[None]
+        if self._tree is not None:
+            self.positions[:, prev : self.idx] = self._tree[0]
+        else:
+            self.positions[:, prev : self.idx] = self.offset[:, None] + mx.arange(L, dtype=mx.int32)[None]
         self.offset = self.offset + L
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
@@ -70,6 +79,8 @@ class SlotKVCache:
         """Mask ``[B, 1, N, idx + N]`` for the next ``N`` queries (called before
         ``update_and_fetch``)."""
         window = window_size if window_size is not None else self.window
+        if self._tree is not None:
+            return self._tree_mask(N, window)
         q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
         old = self.positions[:, : self.idx] if self.idx else mx.zeros((q.shape[0], 0), mx.int32)
         kv = mx.concatenate([old, q], axis=1)  # [B, S]
@@ -83,6 +94,38 @@ class SlotKVCache:
             own = mx.arange(self.idx, self.idx + N)[:, None] == mx.arange(self.idx + N)[None, :]
             mask = mask | own[None]
         return mask[:, None]
+
+    def _tree_mask(self, N: int, window):
+        """Tree verify: each node sees the valid old slots before it (within the
+        window) and, among the new slots, its own ancestors and itself."""
+        q, visible = self._tree
+        old = self.positions[:, : self.idx] if self.idx else mx.zeros((q.shape[0], 0), mx.int32)
+        om = (old[:, None, :] >= 0) & (old[:, None, :] <= q[:, :, None])
+        nm = visible
+        if window is not None:
+            om = om & (old[:, None, :] > q[:, :, None] - window)
+            nm = nm & (q[:, None, :] > q[:, :, None] - window)
+        return mx.concatenate([om, nm], axis=-1)[:, None]
+
+    @contextmanager
+    def tree(self, positions: mx.array, visible: mx.array):
+        """Within this block the next forward is a tree verify: its slots get
+        ``positions`` and its queries see only ``visible`` among themselves."""
+        self._tree = (positions, visible)
+        try:
+            yield self
+        finally:
+            self._tree = None
+
+    def keep(self, block: int, keep: mx.array, next_pos: mx.array, trim: int) -> None:
+        """After a tree verify over ``block`` slots: invalidate the slots with
+        ``keep[b, i]`` false (rejected branches), set each row's next position
+        and drop ``trim`` trailing slots no row kept."""
+        start = self.idx - block
+        tail = self.positions[:, start : self.idx]
+        self.positions[:, start : self.idx] = mx.where(keep, tail, -1)
+        self.idx -= trim
+        self.offset = next_pos
 
     def is_trimmable(self) -> bool:
         return True

@@ -93,14 +93,14 @@ def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: i
         yield logits
 
 
-def eagle3_loss(model, embed, g, label_logits, toks, lmask, lens, weights, steps: int, targets: str):
-    """Weighted loss over the TTT steps; ``(loss, per_step_loss, per_step_correct, per_step_count)``."""
+def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: int, targets: str):
+    """Unnormalised terms over the TTT steps: ``(per_step_loss_sum,
+    per_step_correct, per_step_count)`` (:func:`mtpflow.train.loop.weighted_loss`)."""
     B, T = toks.shape
     tpos = mx.arange(T, dtype=mx.int32)[None]
     lab_all = label_logits - mx.logsumexp(label_logits, axis=-1, keepdims=True)
     row_tokens = _shift(toks, 1)  # x_{t+1} at row t
-    total = mx.array(0.0)
-    losses, correct, counts = [], [], []
+    sums, correct, counts = [], [], []
     rows = mx.broadcast_to(tpos + 1, (B, T))  # row t sits at the position of its token x_{t+1}
     for j, logits in enumerate(ttt_logits(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)):
         logp = logits.astype(mx.float32)
@@ -113,13 +113,10 @@ def eagle3_loss(model, embed, g, label_logits, toks, lmask, lens, weights, steps
             per = (mx.exp(lab) * (lab - logp)).sum(-1)
         else:
             per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
-        n = vf.sum()
-        step_loss = (per * vf).sum() / mx.maximum(n, 1.0)
-        total = total + weights[j] * step_loss
-        losses.append(step_loss)
-        correct.append(((mx.argmax(logp, axis=-1) == tgt) & valid).sum())
-        counts.append(n)
-    return total, mx.stack(losses), mx.stack(correct), mx.stack(counts)
+        sums.append((per * vf).sum())
+        correct.append(_sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32)))
+        counts.append(_sg(vf.sum()))
+    return mx.stack(sums), mx.stack(correct), mx.stack(counts)
 
 
 class Eagle3Trainer:
@@ -160,8 +157,8 @@ class Eagle3Trainer:
         labels = _sg(self.target.logits(hidden)[..., self.ids])
         return (g, labels, toks, lmask, lens)
 
-    def loss(self, model, g, labels, toks, lmask, lens, w):
-        return eagle3_loss(model, self.embed, g, labels, toks, lmask, lens, w, self.steps, self.targets)
+    def loss(self, model, g, labels, toks, lmask, lens):
+        return eagle3_loss_terms(model, self.embed, g, labels, toks, lmask, lens, self.steps, self.targets)
 
     def save(self, out, dtype=None):
         from ..drafters.eagle3.export import save_speculators
@@ -173,9 +170,9 @@ class Eagle3Trainer:
 # DFlash
 # --------------------------------------------------------------------------------------
 def _rope_rows(rope, x, positions):
-    from ..drafters.eagle3.model import _rope_at
+    from ..targets.base import rope_at
 
-    return _rope_at(rope, x, positions)
+    return rope_at(rope, x, positions)
 
 
 def dflash_block_logits(model, target, feats, toks, anchors, mask_id: int):
@@ -225,10 +222,12 @@ def dflash_block_logits(model, target, feats, toks, anchors, mask_id: int):
     return target.logits(hidden)
 
 
-def dflash_loss(model, target, feats, label_logits, toks, anchors, valid, w, mask_id: int, targets: str, dpace: bool):
-    """Weighted loss over block rows ``1..Bs-1``; ``correct`` counts the
-    argmax hits, or with D-PACE sums the detached confidence ``exp(-CE)``
-    (its running mean makes the position weights)."""
+def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, mask_id: int, targets: str,
+                      dpace: bool):
+    """Unnormalised terms over block rows ``1..Bs-1``: ``(per_row_loss_sum,
+    per_row_correct, per_row_count)``; ``correct`` counts the argmax hits, or
+    with D-PACE sums the detached confidence ``exp(-CE)`` (its running mean
+    makes the position weights)."""
     logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, Bs-1, V]
     Bs1 = logp.shape[2]
@@ -247,15 +246,14 @@ def dflash_loss(model, target, feats, label_logits, toks, anchors, valid, w, mas
     else:
         per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
-    n = vf.sum(axis=(0, 1))
-    step_loss = (per * vf).sum(axis=(0, 1)) / mx.maximum(n, 1.0)
-    total = (w * step_loss).sum()
+    n = _sg(vf.sum(axis=(0, 1)))
+    sums = (per * vf).sum(axis=(0, 1))
     if dpace:
         ce = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
         correct = (_sg(mx.exp(-ce)) * vf).sum(axis=(0, 1))
     else:
-        correct = ((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1))
-    return total, step_loss, correct, n
+        correct = _sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
+    return sums, correct, n
 
 
 class DFlashTrainer:
@@ -302,16 +300,17 @@ class DFlashTrainer:
         self.seed = cfg.seed
         self.config_id = {"kind": "dflash", "config": self.hf_config}
 
-    def batch(self, toks, lmask, lens, step: int):
+    def batch(self, toks, lmask, lens, step: int, row0: int = 0):
         hidden, taps = target_states(self.target, toks, self.cfg.taps)
         feats = mx.concatenate([taps[i] for i in self.cfg.taps], axis=-1)
         labels = _sg(self.target.logits(hidden))
-        anchors, valid = _anchors(np.array(lmask), np.array(lens), self.anchors, self.cfg.block_size, self.seed, step)
+        anchors, valid = _anchors(np.array(lmask), np.array(lens), self.anchors, self.cfg.block_size, self.seed, step,
+                                  row0)
         return (feats, labels, toks, mx.array(anchors), mx.array(valid))
 
-    def loss(self, model, feats, labels, toks, anchors, valid, w):
-        return dflash_loss(model, self.target, feats, labels, toks, anchors, valid, w, self.cfg.mask_token_id,
-                           self.targets, self.dpace)
+    def loss(self, model, feats, labels, toks, anchors, valid):
+        return dflash_loss_terms(model, self.target, feats, labels, toks, anchors, valid, self.cfg.mask_token_id,
+                                 self.targets, self.dpace)
 
     def save(self, out, dtype=None):
         from mlx.utils import tree_flatten
@@ -335,14 +334,16 @@ def _unused_token(examples, vocab: int) -> int:
     return int(free[-1]) if len(free) else vocab - 1
 
 
-def _anchors(lmask, lens, k: int, block: int, seed: int, step: int):
+def _anchors(lmask, lens, k: int, block: int, seed: int, step: int, row0: int = 0):
     """``k`` random anchors per row inside its loss region and, per block row
-    ``1..block-1``, whether its label is a loss token inside the row."""
-    rng = np.random.default_rng([seed, step, 7])
+    ``1..block-1``, whether its label is a loss token inside the row.  Row
+    ``b`` is row ``row0 + b`` of the global batch, whose anchors are a function
+    of ``(seed, step, row)`` alone (the same on any number of ranks)."""
     B, T = lmask.shape
     anchors = np.zeros((B, k), np.int32)
     valid = np.zeros((B, k, block - 1), bool)
     for b in range(B):
+        rng = np.random.default_rng([seed, step, 7, row0 + b])
         loss_pos = np.nonzero(lmask[b, : lens[b]])[0]
         cand = np.unique(np.clip(loss_pos - 1, 0, None))
         cand = cand[cand + 1 < lens[b]]
@@ -360,27 +361,34 @@ def _anchors(lmask, lens, k: int, block: int, seed: int, step: int):
 # --------------------------------------------------------------------------------------
 # the entry point
 # --------------------------------------------------------------------------------------
-def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, examples=None) -> dict:
+def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, examples=None, ranks=None) -> dict:
     """Train an ``eagle3`` or ``dflash`` drafter; write it to ``out`` in its
-    published format (a Speculators checkpoint / a z-lab DFlash checkpoint)."""
+    published format (a Speculators checkpoint / a z-lab DFlash checkpoint).
+    Data-parallel over ``ranks`` like the assistant kind
+    (:mod:`mtpflow.train.parallel`)."""
     from .loop import optimize, training_data
+    from .parallel import world
 
+    ranks = ranks or world()
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())
-    examples, _, distill, cache_summary = training_data(target, data_spec, out, cfg, examples)
+    examples, _, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks)
     mx.random.seed(cfg.seed)
     trainer = (Eagle3Trainer if kind == "eagle3" else DFlashTrainer)(target, drafter_options, examples, cfg)
     n_loss = cfg.unroll if kind == "eagle3" else trainer.cfg.block_size - 1
 
-    def make_batch(step):
-        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+    def make_batch(step, rows):
+        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, rows=rows)
         toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
-        args = trainer.batch(toks, lmask, lens) if kind == "eagle3" else trainer.batch(toks, lmask, lens, step)
-        return args, lens_np
+        if kind == "eagle3":
+            return trainer.batch(toks, lmask, lens), lens_np
+        return trainer.batch(toks, lmask, lens, step, rows.start or 0), lens_np
 
     step, acc_ema, tokens_seen, last, elapsed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
-                                                         trainer.config_id, n_loss)
-    trainer.save(out, dtype=cfg.save_dtype)
+                                                         trainer.config_id, n_loss,
+                                                         data_id=data_mod.fingerprint(examples), ranks=ranks)
+    if ranks.main:
+        trainer.save(out, dtype=cfg.save_dtype)
     summary = {
         "kind": kind, "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1), "examples": len(examples),
         "loss_tokens_per_epoch": int(sum(int(e.loss.sum()) for e in examples)), "final": last, "acc_ema": acc_ema,
@@ -390,7 +398,8 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
         summary["distill"] = distill
     if cache_summary is not None:
         summary["cache"] = cache_summary
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if ranks.main:
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ...targets.base import rope_at as _rope_at
 from .config import Eagle3Config
 
 
@@ -56,16 +57,6 @@ class Attention(nn.Module):
         B, _, L, _ = q.shape
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-def _rope_at(rope, x, positions):
-    """RoPE of ``x [B, h, L, d]`` at per-row, per-query ``positions [B, L]``
-    (mlx's fast RoPE takes one offset per call: rows and queries are folded
-    into the batch, each at its own offset)."""
-    B, h, L, d = x.shape
-    flat = x.transpose(0, 2, 1, 3).reshape(B * L, h, 1, d)
-    out = rope(flat, offset=positions.reshape(B * L))
-    return out.reshape(B, L, h, d).transpose(0, 2, 1, 3)
 
 
 class MLP(nn.Module):

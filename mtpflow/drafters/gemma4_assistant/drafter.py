@@ -57,6 +57,53 @@ class Gemma4AssistantDrafter:
             masks[t] = drafter_mask(view.positions, shared.bonus_position, window)
         return kv, masks
 
+    def propose_tree(self, session, state, shared, shape) -> DraftBlock:
+        """A tree of candidates (:class:`~mtpflow.state.TreeShape`): every
+        depth runs one drafting step for the whole frontier at once, each
+        node expanded into its top children (a static shape), or the
+        ``width`` children with the highest cumulative draft log-probability
+        among all (a dynamic, EAGLE-2-style tree).  A child's state is its
+        parent's output, as along a chain."""
+        B = state.size
+        embed = session.target.embed
+        kv, masks = self.round_inputs(shared)
+        pos = shared.bonus_position + self.position_shift
+        tok = shared.last_tokens[:, None]  # the frontier: [B, F]
+        h = shared.hidden[:, None, :]
+        idx = mx.zeros((B, 1), dtype=mx.int32)  # verified-input index of each frontier node (root = 0)
+        cum = mx.zeros((B, 1), dtype=mx.float32)
+        toks, pars, deps = [], [], []
+        n = 0
+        for d in range(shape.levels):
+            F = tok.shape[1]
+            e = embed(tok)
+            x = mx.concatenate([e, h.astype(e.dtype)], axis=-1)
+            final, hn = self.model.step_many(x, kv, masks, mx.broadcast_to(pos[:, None], (B, F)))
+            ids, lg = self.model.head_support(final)  # [B, F, S]
+            lg = lg.astype(mx.float32)
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            b = shape.branching[0] if shape.width is not None else shape.branching[d]
+            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]  # [B, F, b]
+            child_tok = mx.take_along_axis(ids, top, axis=-1).reshape(B, F * b)
+            child_cum = (cum[:, :, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(B, F * b)
+            parent = mx.repeat(mx.arange(F, dtype=mx.int32), b)[None]  # frontier slot of each child
+            parent = mx.broadcast_to(parent, (B, F * b))
+            if shape.width is not None and F * b > shape.width:  # keep the most probable candidates
+                keep = mx.argpartition(-child_cum, shape.width - 1, axis=-1)[:, : shape.width]
+                child_tok = mx.take_along_axis(child_tok, keep, axis=1)
+                child_cum = mx.take_along_axis(child_cum, keep, axis=1)
+                parent = mx.take_along_axis(parent, keep, axis=1)
+            m = child_tok.shape[1]
+            toks.append(child_tok.astype(mx.int32))
+            pars.append(mx.take_along_axis(idx, parent, axis=1))
+            deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
+            h = mx.take_along_axis(hn, parent[:, :, None], axis=1)
+            tok, cum = child_tok, child_cum
+            idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
+            n += m
+        return DraftBlock(tokens=mx.concatenate(toks, axis=1), n_draft=n, parents=mx.concatenate(pars, axis=1),
+                          depth=mx.concatenate(deps, axis=1), max_depth=shape.levels)
+
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = shared.last_tokens.shape[0]
         if n_draft <= 0:

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.gemma4_text import MLP, ModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ...targets.base import SLIDING
+from ...targets.base import SLIDING, rope_at
 from .config import AssistantConfig
 
 
@@ -42,7 +42,7 @@ class AssistantAttention(nn.Module):
     def __call__(self, x, keys, values, mask, position):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=position)
+        q = rope_at(self.rope, q, position) if position.ndim == 2 else self.rope(q, offset=position)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -129,6 +129,20 @@ class Gemma4AssistantModel(nn.Module):
             x = layer(x, k, v, masks[layer.layer_type], position)
         final = self.model.norm(x)[:, 0]
         return final, self.post_projection(final)
+
+    def step_many(self, x_in: mx.array, kv: dict, masks: dict, positions: mx.array):
+        """Drafting steps for ``F`` candidates per row at once (a tree's
+        frontier): ``x_in`` ``[B, F, 2*Dt]``, ``positions`` ``[B, F]``; the
+        candidates attend to the target's K/V only, never to each other."""
+        x = self.pre_projection(x_in)
+        for layer in self.model.layers:
+            k, v = kv[layer.layer_type]
+            x = layer(x, k, v, masks[layer.layer_type], positions)
+        final = self.model.norm(x)
+        return final, self.post_projection(final)
+
+    def head_support(self, final: mx.array):
+        return self.head.support(final, self.model.embed_tokens.weight)
 
     def head_argmax(self, final: mx.array) -> mx.array:
         return self.head.argmax(final, self.model.embed_tokens.weight)

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...targets.base import Ref as _Ref
+from ...targets.base import rope_at
 
 
 class Attention(nn.Module):
@@ -40,7 +41,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         if "q_norm" in self:
             q = self.q_norm(q)
-        q = rope(q.transpose(0, 2, 1, 3), offset=offset)
+        q = q.transpose(0, 2, 1, 3)
+        q = rope_at(rope, q, offset) if isinstance(offset, mx.array) and offset.ndim == 2 else rope(q, offset=offset)
         o = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -148,6 +150,15 @@ class GenericAssistantModel(nn.Module):
         ``x_in`` ``[B, 2*Dt]``, masks ``[B,1,1,S]``, ``position`` ``[B]``."""
         z, h = self(x_in[:, None, :], kv, masks, position)
         return z[:, 0], h[:, 0]
+
+    def step_many(self, x_in: mx.array, kv: dict, masks: dict, positions: mx.array):
+        """``F`` candidates per row at once (a tree's frontier): ``x_in``
+        ``[B, F, 2*Dt]`` at ``positions`` ``[B, F]``; they attend to the
+        target's K/V only, never to each other."""
+        return self(x_in, kv, masks, positions)
+
+    def head_support(self, z: mx.array):
+        return self.lm_head.support(z)
 
     # -- the draft vocabulary lives in the head --------------------------------------
     @property

@@ -1,0 +1,158 @@
+"""Draft trees: one target forward over every candidate, the accepted path kept,
+lossless at T = 0 and T > 0, in ragged and continuous batches."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
+
+from mtpflow import hookimpl
+from mtpflow.engine import Batcher, generate, generate_stream, make_request
+from mtpflow.plugins import make_plugin_manager
+from mtpflow.state import DraftBlock, SamplingParams, TreeShape
+
+SHAPES = ["1,1,1", "2,1", "4,2,1", "3,3,2", "dynamic:4:6:4"]
+PROMPTS = [json.loads((FIXTURES / "pair_e" / f"generate_{n}.json").read_text())["prompt_ids"] for n in ("long", "short", "edge")]
+
+
+def test_tree_shapes_parse_and_count():
+    assert TreeShape.parse("4,2,1").nodes == 4 + 8 + 8 and TreeShape.parse("[2,1]").levels == 2
+    assert TreeShape.parse("1,1,1").is_chain and TreeShape.parse("dynamic:4:6:3").nodes == 4 + 6 + 6
+    for bad in ("", "0,1", "dynamic:4:6", "x"):
+        with pytest.raises(ValueError, match="tree shape"):
+            TreeShape.parse(bad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pair", ["e", "d"])
+def test_greedy_trees_equal_target_only(pair, shape):
+    log = RoundLog()
+    s = make_session(pair, block_size=4, draft={"tree": shape}, plugins=make_plugin_manager([log], autoload=False))
+    ids = PROMPTS[0]
+    assert generate(s, ids, max_tokens=40).tokens == reference(s, ids, 40)
+    trees = [r for r in log.records if r.tree is not None]
+    assert trees and trees[0].tree == TreeShape.parse(shape).describe() and trees[0].nodes == TreeShape.parse(shape).nodes
+
+
+def test_a_tree_deeper_than_the_sliding_window():
+    s = make_session("e", block_size=4, draft={"tree": "2" + ",1" * 18})  # depth 19 > window 16
+    assert s.target.sliding_window == 16
+    ids = PROMPTS[0]
+    assert generate(s, ids, max_tokens=45).tokens == reference(s, ids, 45)
+
+
+def test_trees_beat_chains_in_acceptance_on_the_fixture_pair():
+    ids = list(range(5, 45))  # a prompt where the chain's first guesses often miss
+    chain = make_session("d", block_size=4)
+    tree = make_session("d", block_size=4, draft={"tree": "dynamic:4:6:3"})
+    generate(chain, ids, max_tokens=40)
+    generate(tree, ids, max_tokens=40)
+    assert tree.stats.tau > chain.stats.tau  # same depth, more candidates per depth
+
+
+class WrongTreeDrafter:
+    """A tree whose every branch is wrong: token 0 (the fixture target never emits it) everywhere."""
+
+    model_types = ()
+    needs = frozenset()
+
+    @classmethod
+    def load(cls, path, target, options):
+        return cls()
+
+    def propose(self, session, state, shared, n):
+        return DraftBlock(tokens=mx.zeros((state.size, n), mx.int32), n_draft=n)
+
+    def propose_tree(self, session, state, shared, shape):
+        B, N = state.size, shape.nodes
+        parents, depth, n, frontier = [], [], 0, [0]
+        for d, b in enumerate(shape.branching):
+            nxt = []
+            for p in frontier:
+                for _ in range(b):
+                    n += 1
+                    parents.append(p)
+                    depth.append(d + 1)
+                    nxt.append(n)
+            frontier = nxt
+        rep = lambda v: mx.broadcast_to(mx.array(v, dtype=mx.int32)[None], (B, N))  # noqa: E731
+        return DraftBlock(tokens=mx.zeros((B, N), mx.int32), n_draft=N, parents=rep(parents), depth=rep(depth),
+                          max_depth=len(shape.branching))
+
+
+class WrongPlugin:
+    @hookimpl
+    def mtpflow_register_drafters(self, register):
+        register("wrong-tree", WrongTreeDrafter)
+
+
+def test_a_tree_where_every_branch_is_wrong():
+    s = make_session("e", block_size=4, with_drafter=False, plugins=make_plugin_manager([WrongPlugin()], autoload=False),
+                     model={"draft_kind": "wrong-tree"}, draft={"tree": "3,2"})
+    ids = PROMPTS[0]
+    ref = reference(s, ids, 20)
+    assert 0 not in ref and generate(s, ids, max_tokens=20).tokens == ref
+    assert s.stats.accepted_tokens == 0 and s.stats.rounds == 19
+
+
+def test_ragged_and_continuous_batches_with_trees():
+    s = make_session("e", block_size=4, draft={"tree": "3,2,1"}, batch={"policy": "continuous", "max_batch_size": 2})
+    first = [make_request(s, PROMPTS[0], max_tokens=22, request_id="a"), make_request(s, PROMPTS[1], max_tokens=7, request_id="b")]
+    late = [make_request(s, PROMPTS[2], max_tokens=15, request_id="c"), make_request(s, PROMPTS[1][:5], max_tokens=11, request_id="d")]
+    out = drive_with_late_joiners(s, first, late, join_after=2, max_live=2)
+    for r in first + late:
+        assert out[r.id] == reference(s, r.prompt, r.max_tokens), r.id
+
+
+def test_cache_after_an_accepted_side_branch_is_the_paths():
+    """After tree rounds (a side branch accepted in some of them), the target
+    cache holds exactly the K/V a fresh prefill of the accepted sequence gives."""
+    log = RoundLog()
+    s = make_session("d", block_size=4, draft={"tree": "dynamic:4:6:3"}, plugins=make_plugin_manager([log], autoload=False))
+    b = Batcher(s)
+    b.add([make_request(s, PROMPTS[0], max_tokens=30)])
+    for _ in range(4):
+        b.step()
+    assert any(r.accepted[0] > 0 for r in log.records)
+    st = b.state
+    row = st.rows[0]
+    seq = list(row.request.prompt) + list(row.generated)
+    fresh, _ = s.target.prefill([seq[:-1]])
+    for live, ref in zip(st.cache, fresh):
+        lk, lv, lp = (np.array(a[0]) for a in live.view())
+        rk, rv, rp = (np.array(a[0]) for a in ref.view())
+        lsel, rsel = lp >= 0, rp >= 0
+        lorder, rorder = np.argsort(lp[lsel]), np.argsort(rp[rsel])
+        assert (lp[lsel][lorder] == rp[rsel][rorder]).all()  # exactly the path's positions, no rejected node
+        assert np.abs(lk[:, lsel][:, lorder] - rk[:, rsel][:, rorder]).max() < 1e-4
+        assert np.abs(lv[:, lsel][:, lorder] - rv[:, rsel][:, rorder]).max() < 1e-4
+
+
+def test_sampling_through_a_tree_is_lossless_and_seed_invariant():
+    from collections import Counter
+
+    import test_sampling_engine as tse
+
+    sp = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, seed=seed)  # noqa: E731
+    P = tse.exact_joint(make_session("e", block_size=1, with_drafter=False).target, sp(0), 2)
+    s = make_session("e", block_size=4, draft={"tree": "3,2"}, batch={"max_batch_size": 4000})
+    n, counts = 8000, Counter()
+    for start in range(0, n, 4000):
+        reqs = [make_request(s, tse.PROMPT, max_tokens=3, sampling=sp(start + i), request_id=str(start + i)) for i in range(4000)]
+        for r in reqs:
+            r.stop_ids = frozenset()
+        got = {r.id: [] for r in reqs}
+        for ev in generate_stream(s, reqs):
+            got[ev.request_id].extend(ev.tokens)
+        counts.update(tuple(v[:2]) for v in got.values())
+    Q = {k: v / n for k, v in counts.items()}
+    assert s.stats.accepted_tokens > 0 and tse.tv(P, Q) < tse.tv_bound(P, n)
+    # a seeded row gets its target-only sampled output through a tree too
+    alone = make_session("e", block_size=1, with_drafter=False)
+    for seed in (3, 4):
+        assert generate(s, PROMPTS[1], max_tokens=16, sampling=sp(seed)).tokens == \
+            generate(alone, PROMPTS[1], max_tokens=16, sampling=sp(seed)).tokens
