@@ -156,3 +156,21 @@ def test_sampling_through_a_tree_is_lossless_and_seed_invariant():
     for seed in (3, 4):
         assert generate(s, PROMPTS[1], max_tokens=16, sampling=sp(seed)).tokens == \
             generate(alone, PROMPTS[1], max_tokens=16, sampling=sp(seed)).tokens
+
+
+@pytest.mark.parametrize("shape", ["2,2,1", "dynamic:3:4:5"])
+def test_dflash_trees_over_the_blocks_distributions(shape):
+    from pathlib import Path
+
+    from mtpflow.config import load_config
+    from mtpflow.engine import load_session, target_only_greedy
+
+    fx = Path(__file__).parent / "fixtures" / "dflash"
+    chain = load_session(load_config(overrides={"model": {"model": str(fx / "target"), "draft_model": str(fx / "drafter")},
+                                                "draft": {"block_size": TreeShape.parse(shape).levels + 1}}))
+    tree = load_session(load_config(overrides={"model": {"model": str(fx / "target"), "draft_model": str(fx / "drafter")},
+                                               "draft": {"block_size": 8, "tree": shape}}))
+    ids = json.loads((fx / "generate_medium.json").read_text())["prompt_ids"]
+    want = target_only_greedy(tree.target, ids, 40, tree.target.eos_ids)
+    assert generate(tree, ids, max_tokens=40).tokens == want == generate(chain, ids, max_tokens=40).tokens
+    assert tree.stats.tau >= chain.stats.tau  # the tree holds the chain (each depth's argmax)

@@ -128,14 +128,9 @@ class DFlashDrafter:
         session.target.compact(self.rows.caches, n_valid_max=max(rows), min_positions=rows)
         mx.async_eval([c.keys for c in self.rows.caches] + [c.values for c in self.rows.caches])
 
-    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
+    def _block_logits(self, state, n_draft: int):
+        """Target-head logits ``[B, n_draft, V]`` of one block forward."""
         B = state.size
-        if n_draft <= 0:
-            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
-        if n_draft + 1 > self.cfg.block_size:
-            raise IncompatibleDrafter(
-                f"block size {n_draft + 1} is above this DFlash checkpoint's block_size {self.cfg.block_size}"
-            )
         self.rows.sync(state.rows)
         caches = self.rows.caches
         L = n_draft + 1
@@ -149,5 +144,52 @@ class DFlashDrafter:
         raw = self.target.raw_logits(hidden[:, 1:])
         if self.cfg.output_multiplier != 1.0:
             raw = raw * self.cfg.output_multiplier
-        logits = self.target.softcapped(raw)
+        return self.target.softcapped(raw)
+
+    def propose_tree(self, session, state, shared, shape) -> DraftBlock:
+        """A tree over the block's per-position distributions (DDTree-style):
+        one block forward gives every depth's distribution; a static shape
+        expands each node into that depth's top tokens, a dynamic one keeps,
+        best first, the ``width`` candidates of highest cumulative
+        log-probability per depth."""
+        B, D = state.size, shape.levels
+        if D + 1 > self.cfg.block_size:
+            raise IncompatibleDrafter(f"tree depth {D} needs a block of {D + 1}, above this checkpoint's {self.cfg.block_size}")
+        lg = self._block_logits(state, D).astype(mx.float32)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)  # [B, D, V]
+        cum = mx.zeros((B, 1), dtype=mx.float32)
+        idx = mx.zeros((B, 1), dtype=mx.int32)
+        toks, pars, deps = [], [], []
+        n = 0
+        for d in range(D):
+            F = cum.shape[1]
+            b = shape.branching[0] if shape.width is not None else shape.branching[d]
+            top = mx.argpartition(-lp[:, d], b - 1, axis=-1)[:, :b]  # [B, b]: this depth's best tokens
+            top_lp = mx.take_along_axis(lp[:, d], top, axis=-1)
+            child_tok = mx.broadcast_to(top[:, None, :], (B, F, b)).reshape(B, F * b)
+            child_cum = (cum[:, :, None] + top_lp[:, None, :]).reshape(B, F * b)
+            parent = mx.broadcast_to(mx.repeat(mx.arange(F, dtype=mx.int32), b)[None], (B, F * b))
+            if shape.width is not None and F * b > shape.width:
+                keep = mx.argpartition(-child_cum, shape.width - 1, axis=-1)[:, : shape.width]
+                child_tok, child_cum = mx.take_along_axis(child_tok, keep, axis=1), mx.take_along_axis(child_cum, keep, axis=1)
+                parent = mx.take_along_axis(parent, keep, axis=1)
+            m = child_tok.shape[1]
+            toks.append(child_tok.astype(mx.int32))
+            pars.append(mx.take_along_axis(idx, parent, axis=1))
+            deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
+            cum = child_cum
+            idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
+            n += m
+        return DraftBlock(tokens=mx.concatenate(toks, axis=1), n_draft=n, parents=mx.concatenate(pars, axis=1),
+                          depth=mx.concatenate(deps, axis=1), max_depth=D)
+
+    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
+        B = state.size
+        if n_draft <= 0:
+            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+        if n_draft + 1 > self.cfg.block_size:
+            raise IncompatibleDrafter(
+                f"block size {n_draft + 1} is above this DFlash checkpoint's block_size {self.cfg.block_size}"
+            )
+        logits = self._block_logits(state, n_draft)
         return DraftBlock(tokens=mx.argmax(logits, axis=-1).astype(mx.int32), n_draft=n_draft)
