@@ -292,19 +292,38 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
     return idx
 
 
-def batches(examples: list[Example], batch_size: int, seed: int, step: int, pad_multiple: int = 16):
-    """The batch of a global ``step`` (:func:`batch_indices`).
+def batches(examples: list[Example], batch_size: int, seed: int, step: int, pad_multiple: int = 16,
+            rows: slice | None = None):
+    """The batch of a global ``step`` (:func:`batch_indices`); with ``rows``,
+    only those rows of it (a data-parallel rank's part).
 
     Returns ``(tokens [B, T] int32, loss [B, T] bool, lengths [B] int32)``."""
     idx = batch_indices(len(examples), batch_size, seed, step)
+    if rows is not None:
+        idx = idx[rows]
     sel = [examples[i] for i in idx]
+    B = len(sel)
     T = max(len(e) for e in sel)
     T = -(-T // pad_multiple) * pad_multiple
-    toks = np.zeros((batch_size, T), np.int32)
-    loss = np.zeros((batch_size, T), bool)
-    lens = np.zeros(batch_size, np.int32)
+    toks = np.zeros((B, T), np.int32)
+    loss = np.zeros((B, T), bool)
+    lens = np.zeros(B, np.int32)
     for r, e in enumerate(sel):
         toks[r, : len(e)] = e.tokens
         loss[r, : len(e)] = e.loss
         lens[r] = len(e)
     return toks, loss, lens
+
+
+def fingerprint(examples) -> str:
+    """SHA-256 of the examples' tokens and loss flags, in order (ranks of a
+    data-parallel run compare it: they must train on the same data)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for e in examples:
+        t = np.ascontiguousarray(e.tokens, np.int32)
+        h.update(np.int64(len(t)).tobytes())
+        h.update(t.tobytes())
+        h.update(np.packbits(np.asarray(e.loss, bool)).tobytes())
+    return h.hexdigest()

@@ -205,7 +205,7 @@ def load_features(folder) -> list[FeatureExample]:
 
 def collect(target, prompts: list[list[int]], folder, *, max_new: int = 128, batch_size: int = 32,
             shard_batches: int = 1, max_time_s: float | None = None, progress: bool = True,
-            stop_ids=None) -> dict:
+            stop_ids=None, ranks=None) -> dict:
     """Continue ``prompts`` with the target and store features in ``folder``
     (see the module docstring).  Prompts are batched by length (less padding);
     a rerun skips finished shards.  Returns ``{"examples", "tokens",
@@ -217,11 +217,11 @@ def collect(target, prompts: list[list[int]], folder, *, max_new: int = 128, bat
             "prompts_sha256": _sha([list(map(int, p)) for p in prompts])}
     return _collect(folder, meta, ["max_new", "num_prompts", "batch_size"], [len(p) for p in prompts],
                     lambda idx: generate_features(target, [prompts[i] for i in idx], max_new, stop_ids),
-                    batch_size, max_time_s, progress, "distill", "generated")
+                    batch_size, max_time_s, progress, "distill", "generated", ranks)
 
 
 def collect_text(target, examples, folder, *, batch_size: int = 8, max_time_s: float | None = None,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, ranks=None) -> dict:
     """Teacher-forced features (:func:`text_features`) of ``examples``
     (``Example``-like: ``tokens``, ``loss``) in ``folder``, shard by shard and
     resumable like :func:`collect`.  One target forward per token instead of a
@@ -234,7 +234,7 @@ def collect_text(target, examples, folder, *, batch_size: int = 8, max_time_s: f
             "examples_sha256": _sha([[list(map(int, e.tokens)), np.flatnonzero(e.loss).tolist()] for e in examples])}
     return _collect(folder, meta, ["kind", "num_examples", "batch_size", "examples_sha256"],
                     [len(e.tokens) for e in examples], lambda idx: text_features(target, [examples[i] for i in idx]),
-                    batch_size, max_time_s, progress, "text features", "loss")
+                    batch_size, max_time_s, progress, "text features", "loss", ranks)
 
 
 def _sha(obj) -> str:
@@ -242,7 +242,14 @@ def _sha(obj) -> str:
 
 
 def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batch_size: int,
-             max_time_s: float | None, progress: bool, label: str, unit: str) -> dict:
+             max_time_s: float | None, progress: bool, label: str, unit: str, ranks=None) -> dict:
+    """Shards of ``folder`` (``make(indices) -> [FeatureExample]`` per group of
+    ``batch_size`` examples of similar length); with several ``ranks``, rank
+    ``r`` makes the groups ``g % size == r`` and every rank returns the totals
+    of all of them once all are done."""
+    from .parallel import world
+
+    ranks = ranks or world()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta_f = folder / "meta.json"
@@ -252,7 +259,8 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
         keys = keys + (["prompts_sha256"] if "prompts_sha256" in old else [])
         if {k: old.get(k) for k in keys} != {k: meta.get(k) for k in keys}:
             raise ValueError(f"{folder} holds features collected with other settings or data ({old}); use a new folder")
-    meta_f.write_text(json.dumps(meta, indent=2))
+    if ranks.main:
+        meta_f.write_text(json.dumps(meta, indent=2))
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
     # interleave short and long groups so a time-limited run covers every length
@@ -261,7 +269,10 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     t0 = time.time()
     n_tok = n_loss = n_ex = 0
     complete = True
+    who = f" (rank {ranks.rank} of {ranks.size})" if ranks.size > 1 else ""
     for g, idx in enumerate(groups):
+        if g % ranks.size != ranks.rank:
+            continue
         shard = folder / f"shard-{g:05d}.npz"
         if shard.is_file():
             continue
@@ -273,10 +284,15 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
         n_ex += len(exs)
         n_tok += sum(len(e) for e in exs)
         n_loss += sum(int(e.loss.sum()) for e in exs)
-        if progress:
+        if progress and ranks.main:
             el = time.time() - t0
-            print(f"{label} shard {g + 1}/{len(groups)}: {n_loss} {unit} tokens in {el:.0f}s "
+            print(f"{label} shard {g + 1}/{len(groups)}{who}: {n_loss} {unit} tokens in {el:.0f}s "
                   f"({n_loss / max(el, 1e-9):.0f} tok/s)", file=sys.stderr, flush=True)
+    if ranks.size > 1:  # every rank's shards are written before anyone reads the folder
+        import mlx.core as mx
+
+        tot = np.array(ranks.sum(mx.array([n_ex, n_tok, n_loss, int(not complete)], mx.int32)))
+        n_ex, n_tok, n_loss, complete = int(tot[0]), int(tot[1]), int(tot[2]), bool(tot[3] == 0)
     return {"examples": n_ex, "tokens": n_tok, "loss_tokens": n_loss, "seconds": round(time.time() - t0, 1),
             "complete": complete}
 

@@ -54,6 +54,7 @@ from ..drafters.mtpflow_assistant.model import GenericAssistantModel
 from ..targets.base import SLIDING
 from . import data as data_mod
 from .checkpoint import CheckpointError, load_checkpoint, repair_log, save_checkpoint  # noqa: F401 (re-exported)
+from .parallel import Ranks, world
 
 
 @dataclass
@@ -237,9 +238,11 @@ def unrolled_logp(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
         yield logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, weights, unroll: int, targets: str):
-    """Weighted loss over ``unroll`` steps; returns ``(loss, per_step_loss
-    [S], per_step_correct [S], per_step_count [S])``.
+def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, unroll: int, targets: str):
+    """The unnormalised terms of the objective over ``unroll`` steps:
+    ``(per_step_loss_sum [S], per_step_correct [S], per_step_count [S])``
+    (:func:`weighted_loss` turns them into the loss; data-parallel training
+    normalises by the counts of the whole global batch).
 
     With ``tp["qpos"]`` ``[B, T]`` the query-side arrays (hidden, embed,
     label logits, argmax, ``tokens``, ``loss_mask``) hold a contiguous window
@@ -251,8 +254,7 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
     tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
     tgt_logp = tp["label_logits"] - mx.logsumexp(tp["label_logits"], axis=-1, keepdims=True)
     sub = model.draft_vocab if model.has_draft_vocab else None
-    total = mx.array(0.0)
-    losses, correct, counts = [], [], []
+    sums, correct, counts = [], [], []
     for i, logp in enumerate(unrolled_logp(model, tp, T, unroll)):
         lab_logp = _shift(tgt_logp, 1 + i)  # target distribution of x_{t+2+i}
         valid = (tpos + 2 + i < lengths[:, None]) & _shift(loss_mask, 2 + i)
@@ -269,17 +271,30 @@ def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, leng
                 vf = valid.astype(mx.float32)
                 lab = mx.maximum(lab, 0)
             per = -mx.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
-        n = vf.sum()
-        li = (per * vf).sum() / mx.maximum(n, 1.0)
-        total = total + weights[i] * li
         pred = mx.argmax(logp, axis=-1)
         if sub is not None:
             pred = sub[pred]
         hit = (pred == tgt_tok).astype(mx.float32)
-        losses.append(li)
+        sums.append((per * vf).sum())
         correct.append(mx.stop_gradient((hit * vf).sum()))
-        counts.append(n)
-    return total, mx.stack(losses), mx.stack(correct), mx.stack(counts)
+        counts.append(mx.stop_gradient(vf.sum()))
+    return mx.stack(sums), mx.stack(correct), mx.stack(counts)
+
+
+def weighted_loss(sums: mx.array, counts: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
+    """``(loss, per_step_loss)``: each step's mean over its ``counts`` terms,
+    weighted by ``weights``."""
+    per = sums / mx.maximum(counts, 1.0)
+    return (weights * per).sum(), per
+
+
+def drafter_loss(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, weights, unroll: int, targets: str):
+    """Weighted loss over ``unroll`` steps; returns ``(loss, per_step_loss
+    [S], per_step_correct [S], per_step_count [S])`` (see
+    :func:`drafter_loss_terms`)."""
+    sums, correct, counts = drafter_loss_terms(model, tp, tokens, loss_mask, lengths, unroll, targets)
+    total, per = weighted_loss(sums, counts, weights)
+    return total, per, correct, counts
 
 
 def identity_init(model: GenericAssistantModel, damp: float = 0.1) -> bool:
@@ -396,19 +411,39 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------ the optimiser loop
-def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int):
+def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int,
+             data_id: str | None = None, ranks: Ranks | None = None):
     """AdamW over ``model``'s trainable parameters until ``cfg.steps``
     (``max_time_s`` / ``stop_at`` stop it early, checkpointed): resumes from
     ``out/checkpoint``, logs every step to ``out/train_log.jsonl``, shows a
-    progress bar.  ``make_batch(step) -> (args, lengths)``; ``loss_fn(model,
-    *args, weights) -> (loss, per_step_loss, per_step_correct, per_step_count)``
-    over ``n_steps_loss`` unrolled steps / block positions, weighted by
-    :func:`step_weights` from the running accuracy.  ``config_id``: what the
-    checkpoint must have been written for.  Returns ``(step, acc_ema,
-    tokens_seen, last_log, elapsed_s)``."""
+    progress bar.
+
+    ``make_batch(step, rows) -> (args, lengths)``: this rank's ``rows`` (a
+    slice) of the global batch of ``step``; ``loss_fn(model, *args) ->
+    (per_step_loss_sum, per_step_correct, per_step_count)`` over
+    ``n_steps_loss`` unrolled steps / block positions (unnormalised, see
+    :func:`drafter_loss_terms`); the loss is their :func:`weighted_loss` with
+    the counts of the whole global batch and :func:`step_weights` from the
+    running accuracy.  Data-parallel over ``ranks`` (default:
+    :func:`mtpflow.train.parallel.world`; see that module): gradients are
+    averaged, rank 0 reads and writes the checkpoint and the log, and every
+    rank must hold the same data (``data_id``, a fingerprint).  ``config_id``:
+    what the checkpoint must have been written for.  Returns ``(step,
+    acc_ema, tokens_seen, last_log, elapsed_s)``."""
+    ranks = ranks or world()
+    rows = ranks.rows(cfg.batch_size)
+    if data_id is not None:
+        ranks.check_same(data_id, "the training data",
+                         "every rank needs the same data: put --out on a folder every machine shares, or copy "
+                         "OUT/features* (and the data files) to each machine before launching")
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
     ckpt = out / "checkpoint"
-    state = load_checkpoint(ckpt, model, opt, config_id)
+    state = load_checkpoint(ckpt, model, opt, config_id) if ranks.main else None
+    if ranks.size > 1:  # every rank starts from rank 0's weights, optimiser state and step
+        opt.init(model.trainable_parameters())
+        state = ranks.broadcast_json(state)
+        model.update(ranks.broadcast_tree(model.parameters()))
+        opt.state = ranks.broadcast_tree(opt.state)
     step = 0
     acc_ema = [0.5] * n_steps_loss
     tokens_seen = 0
@@ -417,23 +452,38 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
         step, acc_ema = state["step"], state["acc_ema"]
         tokens_seen, elapsed_prev = state["tokens_seen"], state.get("elapsed_s", 0.0)
     log_path = out / "train_log.jsonl"
-    if step < cfg.steps:  # the log continues the checkpoint's history (a kill's partial line and later steps go)
+    if ranks.main and step < cfg.steps:  # the log continues the checkpoint's history (a kill's partial line and later steps go)
         repair_log(log_path, step)
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
-    log_f = open(log_path, "a")
-    bar = _Progress(cfg.steps, step, cfg.progress)
+    def objective(m, *args):
+        *batch, w = args
+        sums, correct, counts = loss_fn(m, *batch)
+        counts = ranks.sum(mx.stop_gradient(counts))  # the global batch's terms
+        loss, per = weighted_loss(sums, counts, w)
+        # summed over ranks, the per-rank losses are the global loss: scaled by the number of ranks,
+        # the averaged gradients are its gradient
+        return loss * ranks.size, per, correct, counts
+
+    grad_fn = nn.value_and_grad(model, objective)
+    log_f = open(log_path, "a") if ranks.main else None
+    bar = _Progress(cfg.steps, step, cfg.progress and ranks.main)
     t0 = time.time()
     last = {}
     try:
         while step < cfg.steps:
-            if cfg.max_time_s is not None and time.time() - t0 >= cfg.max_time_s:
+            if cfg.max_time_s is not None and ranks.any(time.time() - t0 >= cfg.max_time_s):
                 break
             if cfg.stop_at is not None and step >= cfg.stop_at:
                 break
-            args, lens_np = make_batch(step)
+            args, lens_np = make_batch(step, rows)
             w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema))
             (loss, per, cor, cnt), grads = grad_fn(model, *args, w)
+            if ranks.size > 1:
+                grads = nn.average_gradients(grads, group=ranks.group)
+                # this rank's part of the logged figures, summed over the ranks in one collective
+                part = mx.concatenate([loss[None] / ranks.size, per, cor.astype(mx.float32)])
+                part = ranks.sum(part)
+                loss, per, cor = part[0], part[1: 1 + n_steps_loss], part[1 + n_steps_loss:]
             grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
             opt.update(model, grads)
             mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm)
@@ -441,11 +491,14 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             cnt_np, cor_np = np.array(cnt), np.array(cor)
             acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
             acc_ema = [cfg.ema * a + (1 - cfg.ema) * b if n > 0 else a for a, b, n in zip(acc_ema, acc, cnt_np)]
-            tokens_seen += int(lens_np.sum())
+            n_tok = int(lens_np.sum())
+            tokens_seen += n_tok if ranks.size == 1 else int(ranks.sum(mx.array([n_tok], mx.int32)).item())
             last = {"step": step, "loss": float(loss.item()), "step_loss": [round(float(x), 5) for x in np.array(per)],
                     "acc": [round(a, 4) for a in acc], "grad_norm": float(gnorm.item()),
                     "lr": float(opt.learning_rate.item()), "tokens_seen": tokens_seen,
                     "elapsed_s": round(elapsed_prev + time.time() - t0, 2)}
+            if not ranks.main:
+                continue
             log_f.write(json.dumps(last) + "\n")
             if step % cfg.log_every == 0 or step == cfg.steps:
                 log_f.flush()
@@ -457,19 +510,23 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
                     "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
                     "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": config_id,
                     "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
+                    "ranks": ranks.size,
                 })
     finally:
         bar.close()
-        log_f.close()
+        if log_f is not None:
+            log_f.close()
     return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0
 
 
 # ------------------------------------------------------------------------------ train
-def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None):
+def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None, ranks: Ranks | None = None):
     """``(examples, feats, distill_summary, cache_summary)`` of a data spec:
     ``distill:`` / ``cache:`` parts are collected (resumably) into
     ``out/features`` / ``out/features-cache`` and loaded (``feats``, and their
-    tokens as ``examples``); other specs load as token examples."""
+    tokens as ``examples``); other specs load as token examples.  With
+    several ``ranks`` each collects its share of the shards, then all load
+    the whole folder."""
     feats = None
     distill = cache_summary = None
     feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
@@ -484,12 +541,12 @@ def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None)
                                                    max_prompt_len=max(4, cfg.max_len - cfg.distill_tokens))
                 distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
                                            batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
-                                           progress=cfg.progress)
+                                           progress=cfg.progress, ranks=ranks)
                 feats += feat_mod.load_features(out / "features")
             else:
                 texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
                 cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
-                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress)
+                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress, ranks=ranks)
                 feats += feat_mod.load_features(out / "features-cache")
         if not feats:
             raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
@@ -530,11 +587,13 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ranks = world()
+    ranks.rows(cfg.batch_size)  # a batch the ranks cannot share is refused before any data is read
     target = _load_target(target)
     if cfg.kind != "assistant":
         from .kinds import train_kind
 
-        return train_kind(cfg.kind, target, drafter_config, data_spec, out, cfg, examples)
+        return train_kind(cfg.kind, target, drafter_config, data_spec, out, cfg, examples, ranks=ranks)
     mx.random.seed(cfg.seed)
     if cfg.init_from:
         model = _warm_start(target, cfg.init_from, drafter_config)
@@ -545,7 +604,7 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         if cfg.init == "identity":
             identity_init(model)
     mx.eval(model.parameters())
-    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples)
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks)
     if feats is not None:
         from .features import feature_batch
     if model.has_draft_vocab and not cfg.init_from:  # a warm start keeps its draft vocabulary
@@ -556,20 +615,20 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids), extra))
     n_tokens_ex = [int(e.loss.sum()) for e in examples]
 
-    def loss_fn(m, tp, toks, lmask, lens, w):
-        return drafter_loss(m, tp, toks, lmask, lens, w, cfg.unroll, cfg.targets)
+    def loss_fn(m, tp, toks, lmask, lens):
+        return drafter_loss_terms(m, tp, toks, lmask, lens, cfg.unroll, cfg.targets)
 
-    def make_batch(step):
+    def make_batch(step, rows):
         if feats is not None:
-            idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)
+            idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)[rows]
             tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
             return (tp, toks, lmask, lens), np.array(lens)
-        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step)
+        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, rows=rows)
         toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
         return (target_pass(target, toks, model), toks, lmask, lens), lens_np
 
-    step, acc_ema, tokens_seen, last, elapsed = optimize(model, loss_fn, make_batch, cfg, out, dcfg, cfg.unroll)
-    save_drafter(model, out, dtype=cfg.save_dtype)
+    step, acc_ema, tokens_seen, last, elapsed = optimize(model, loss_fn, make_batch, cfg, out, dcfg, cfg.unroll,
+                                                         data_id=data_mod.fingerprint(examples), ranks=ranks)
     summary = {
         "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1),
         "examples": len(examples), "loss_tokens_per_epoch": int(sum(n_tokens_ex)),
@@ -579,7 +638,9 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         summary["distill"] = distill
     if cache_summary is not None:
         summary["cache"] = cache_summary
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    if ranks.main:
+        save_drafter(model, out, dtype=cfg.save_dtype)
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -596,7 +657,7 @@ def add_train_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output drafter folder (resumes from OUT/checkpoint) (required)")
     d = TrainConfig()
     helps = {
-        "steps": "optimizer steps", "batch_size": "sequences per step", "max_len": "tokens per sequence (longer ones are cut)",
+        "steps": "optimizer steps", "batch_size": "sequences per step (the global batch: under mlx.launch each of R ranks takes batch/R)", "max_len": "tokens per sequence (longer ones are cut)",
         "unroll": "drafting steps unrolled per position (as at inference)", "checkpoint_every": "steps between checkpoints",
         "seed": "random seed", "lr": "peak learning rate (AdamW)", "weight_decay": "AdamW weight decay",
         "grad_clip": "gradient norm clip", "decay": "geometric weight of unrolled step i: decay**i",
@@ -651,5 +712,6 @@ def run_train(args) -> int:
         kind=args.kind, anchors=args.anchors,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
-    print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
+    if world().main:  # (under mlx.launch every rank runs this; one line is enough)
+        print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
     return 0
