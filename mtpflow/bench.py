@@ -87,6 +87,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")
     p.add_argument("--no-null", action="store_true", help="skip the mtpflow null-drafter variant")
+    p.add_argument("--trees", default="",
+                   help="also run these draft trees, ';'-separated shapes such as '4,2,1;dynamic:4:6:3' (default: none)")
     p.add_argument("--no-default", action="store_true",
                    help="skip the default variant (the adaptive policy from the drafter's recommended block size, as `mtpflow generate` runs it)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
@@ -380,7 +382,7 @@ class MTPFlowVariant(Variant):
 
 
 def _session_variant(base, block_size: int, policy: str, with_drafter: bool, max_batch: int, sync_timing: bool,
-                     max_block_size: int | None = None):
+                     max_block_size: int | None = None, tree: str = "off"):
     """A Session sharing ``base``'s target/drafter with its own config, sampler and policies.
     ``max_block_size``: the adaptive policy's ceiling (default: ``block_size``)."""
     import attrs
@@ -389,7 +391,7 @@ def _session_variant(base, block_size: int, policy: str, with_drafter: bool, max
 
     cfg = base.config
     ceiling = max_block_size or (block_size if policy == "adaptive" else max(cfg.draft.max_block_size, block_size))
-    draft = attrs.evolve(cfg.draft, block_size=block_size, policy=policy, max_block_size=ceiling)
+    draft = attrs.evolve(cfg.draft, block_size=block_size, policy=policy, max_block_size=ceiling, tree=tree)
     cfg = attrs.evolve(cfg, draft=draft, batch=attrs.evolve(cfg.batch, max_batch_size=max_batch),
                        trace=attrs.evolve(cfg.trace, sync_timing=sync_timing, file=None))
     sc = cfg.sampling
@@ -497,6 +499,10 @@ def build_variants(args, session, prompts) -> list[Variant]:
                 s = _session_variant(session, k, args.policy, True, max_batch, args.sync_timing)
                 tag = "kmax" if args.policy == "adaptive" else "k"
                 variants.append(MTPFlowVariant(f"mtpflow-{tag}{k} b{b}", b, k, session.draft_kind, s, ignore_eos))
+        if session.drafter is not None:
+            for shape in [t.strip() for t in args.trees.split(";") if t.strip()]:
+                s = _session_variant(session, max(args.block_sizes), "fixed", True, max_batch, args.sync_timing, tree=shape)
+                variants.append(MTPFlowVariant(f"mtpflow-tree{shape} b{b}", b, max(args.block_sizes), "tree", s, ignore_eos))
         if mlx_draft is not None and b == 1:
             for k in args.block_sizes:
                 if k > 1:
@@ -601,7 +607,7 @@ def _plots(result: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for b in batches:
         pts = sorted(((v["block_size"], v["tokens_per_s"]) for v in vs
-                      if v["batch_size"] == b and v["engine"] == "mtpflow" and v["kind"] != "null"
+                      if v["batch_size"] == b and v["engine"] == "mtpflow" and v["kind"] not in ("null", "tree")
                       and not v["name"].startswith("mtpflow-default") and v["tokens_per_s"]["median"]),
                      key=lambda p: p[0])
         if pts:

@@ -27,7 +27,7 @@ def bench(tmp_path_factory):
     args = parse(
         "--target", FIX / "target", "--draft-model", FIX / "drafter", "--prompts", "tiny",
         "--block-sizes", "1,3,5", "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0",
-        "--max-tokens", "6", "--out", out, "--no-progress",
+        "--max-tokens", "6", "--out", out, "--no-progress", "--trees", "2,1;dynamic:2:3:2",
     )
     assert run_bench(args) == 0
     return out, json.loads((out / "bench.json").read_text())
@@ -41,6 +41,9 @@ def test_variants_present(bench):
         d = next(v for v in res["variants"] if v["name"] == f"mtpflow-default b{b}")
         # the default: the adaptive policy from the drafter's recommended block (num_assistant_tokens 4)
         assert d["block_size"] == 5 and sum(d["block_sizes"].values()) == d["rounds"] > 0
+        for shape in ("2,1", "dynamic:2:3:2"):
+            t = next(v for v in res["variants"] if v["name"] == f"mtpflow-tree{shape} b{b}")
+            assert t["kind"] == "tree" and t["tau"] >= 1.0
     assert res["baselines"] == {"1": "mlx_lm b1", "2": "mlx_lm b2"}
     assert not [v for v in res["variants"] if "failed" in v]
     assert res["meta"]["draft_kind"] == "mtp"
