@@ -2,38 +2,78 @@
 
 Architecture
 ------------
-* One **scheduler thread** owns the :class:`~mtpflow.engine.Session` and a
-  :class:`~mtpflow.engine.Batcher` with the ``continuous`` batch policy:
-  concurrent requests decode together, rows leave when they finish and new
-  requests join between rounds.  MLX streams are per thread, so the session
-  is *loaded inside* that thread; everything that touches MLX runs there
-  (:meth:`Scheduler.call` runs any function there, e.g. a reference decode).
-* HTTP handlers (Starlette, run by uvicorn) validate and tokenize, then
-  submit the request through a thread-safe command queue; the scheduler
-  sends text deltas back through a per-request :class:`asyncio.Queue`
-  (``loop.call_soon_threadsafe``).  When idle the scheduler sleeps on a
-  condition variable.
-* Per-request usage (``draft_tokens``, ``accepted_tokens``, ``tau``) comes
-  from an ``mtpflow_emit`` observer.  The log (stdlib logger
-  ``mtpflow.server``, see :mod:`mtpflow.logs`) holds **one line per
-  request** when it ends (``request.done``, ``request.cancelled`` or
-  ``request.failed``, with its usage); the engine's round events are DEBUG
-  records of ``mtpflow.rounds`` (``mtpflow serve --log-level debug``).  The
-  library never calls ``structlog.configure()``.
+* One **scheduler thread** owns the :class:`~mtpflow.engine.Session` and an
+  :class:`~mtpflow.serve_batcher.IsolatingBatcher` with the ``continuous``
+  batch policy: concurrent requests decode together, rows leave when they
+  finish and new requests join between rounds.  MLX streams are per thread,
+  so the session is *loaded inside* that thread; everything that touches MLX
+  runs there (:meth:`Scheduler.call` runs any function there, e.g. a
+  reference decode).  When idle the scheduler sleeps on a condition variable.
+* HTTP handlers (Starlette, run by uvicorn) read the body (at most
+  ``max_body_size`` bytes, else **413**), then parse, validate and tokenize it
+  **in a small thread pool** -- never on the event loop, so a big body cannot
+  stall ``/health`` -- and submit the request through a thread-safe command
+  queue; the scheduler sends text deltas back through a per-request
+  :class:`asyncio.Queue` (``loop.call_soon_threadsafe``).
+
+Isolation
+---------
+Every request is validated completely before it reaches the scheduler: the
+JSON (valid UTF-8, nesting at most ``MAX_JSON_DEPTH`` levels, no lone UTF-16
+surrogates in any string), every field's type and range (``seed`` in
+``[0, 2**63)``, ``temperature`` in ``[0, 100]``, ``top_p`` in ``(0, 1]``,
+``top_k >= 0``, ``min_p`` in ``[0, 1]``, ``n`` in ``[1, MAX_N]``,
+``max_time`` in ``(0, 86400]``, at most ``MAX_STOP_STRINGS`` stop strings of
+at most ``MAX_STOP_LENGTH`` characters, token ids inside the vocabulary),
+the tokenization and the context limit.  Each bad input gets one clear line
+in an OpenAI-style error body (``{"error": {"message", "type", "param",
+"code"}}``) with status 400, 413 (body too large) or 503 (queue full).  An
+error raised while decoding ends the row that raised it alone (the
+:mod:`~mtpflow.serve_batcher` finds it by running the rows of the failing
+step alone); the other rows continue and complete.  That request gets a 500
+(a stream: an error event) whose message names the exception.
+
+Backpressure, cancellation, deadlines
+-------------------------------------
+* At most ``max_queued`` rows (``--max-queued``, default
+  ``DEFAULT_MAX_QUEUED``) wait for a place in the batch; past that a request
+  is answered **503** with ``Retry-After`` (seconds, from the recent rate of
+  finished requests).  The time a request waited is ``usage.queue_time_s``
+  and the histogram ``vllm:request_queue_time_seconds``.
+* A client that disconnects -- streaming or not -- cancels its rows at the
+  next round.
+* ``max_time`` (request field, seconds since the request arrived) and
+  ``--request-timeout`` (the server's default and ceiling) set a
+  **deadline**: at the first round boundary past it the row stops and the
+  response returns what it has, with ``finish_reason: "length"`` (the output
+  was cut by a limit, the one value every OpenAI client knows; strictly
+  typed clients reject unknown finish reasons) and the extension
+  ``"finish_detail": "timeout"`` on the choice.  A request still queued at
+  its deadline ends the same way with empty text.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` = server-sent events in the
-OpenAI chunk format, ending with ``data: [DONE]``) and ``GET /v1/stats``.
+OpenAI chunk format, ending with ``data: [DONE]``), ``GET /v1/stats`` (JSON)
+and ``GET /metrics`` (Prometheus text format, :mod:`mtpflow.serve_metrics`:
+vLLM's names -- ``vllm:spec_decode_num_drafts``, ``..._draft_tokens``,
+``..._accepted_tokens``, ``..._accepted_tokens_per_pos{position}``, queue,
+first-token and end-to-end latency histograms, request counters).
 
 Request fields: ``model``, ``prompt`` (string, list of ids, or a one-element
 list of either) / ``messages``, ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``,
 ``seed``, ``stop`` (string or list of strings: the text is cut before the
-first stop string and the row is cancelled), ``stream`` and the extension
-``speculative`` (``false`` decodes that request with the target alone inside
-the shared batch).  Sampling defaults come from the config's ``[sampling]``
-table (temperature 0 = greedy unless configured otherwise).  A request with
-``temperature > 0`` and no ``seed`` gets a random seed.
+first stop string and the row is cancelled), ``stream``, ``n`` (choices of
+one prompt, prefilled once when they join the batch together; with a
+``seed``, choice ``i`` uses ``seed + i``), ``logprobs`` (completions: the
+number of alternatives, 0-5; chat: a boolean, with ``top_logprobs`` 0-20 --
+OpenAI's shapes, from the target's processed distribution, the same with and
+without speculation: :mod:`mtpflow.serve_logprobs`), ``max_time`` and the
+extension ``speculative`` (``false`` decodes that request with the target
+alone inside the shared batch).  Other fields are ignored.  Sampling
+defaults come from the config's ``[sampling]`` table (temperature 0 = greedy
+unless configured otherwise).  A request with ``temperature > 0`` and no
+``seed`` gets a random seed.
 
 Chat prompts use the tokenizer's chat template.  **Fallback** when the
 tokenizer has none: every message is rendered as ``"{role}: {content}\\n"``
@@ -41,10 +81,21 @@ and ``"assistant:"`` is appended as the generation prompt, then encoded.
 
 ``usage``: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` plus
 ``draft_tokens`` (drafts proposed for this request), ``accepted_tokens``,
-``rounds`` (decoding rounds the request took part in) and ``tau`` (tokens
-per target forward for this request, bonus included, as
+``rounds`` (decoding rounds the request took part in), ``tau`` (tokens per
+target forward for this request, bonus included, as
 :func:`mtpflow.metrics.tau`; the first token, sampled at prefill, is not part
-of a round; ``null`` before any round).
+of a round; ``null`` before any round) and ``queue_time_s`` (seconds from
+submission to joining the batch; with ``n > 1`` the longest).  With ``n > 1``
+the counts are summed over the choices (the prompt counts once).
+
+The log (stdlib logger ``mtpflow.server``, see :mod:`mtpflow.logs`) holds
+**one line per request** (per choice with ``n > 1``) when it ends:
+``request.done`` (with its usage, ``elapsed_s``, and ``finish_detail`` after
+a deadline), ``request.cancelled``, ``request.failed`` or, for a request
+refused before decoding, ``request.rejected`` (status, code, param).  The
+engine's round events are DEBUG records of ``mtpflow.rounds``
+(``mtpflow serve --log-level debug``).  The library never calls
+``structlog.configure()``.
 
 Nothing here imports mlx or starlette at module level.
 """
@@ -56,13 +107,14 @@ import asyncio
 import atexit
 import gc
 import json
+import math
 import os
 import secrets
 import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,7 +123,18 @@ from mtpflow.logs import SERVER, round_logger, stdlib_logger
 from mtpflow.metrics import tau
 
 DEFAULT_MAX_CONTEXT = 8192
+#: rows that may wait for a place in the batch before requests get 503
+DEFAULT_MAX_QUEUED = 128
+#: the largest request body, in bytes (``--max-body-size``)
+DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_N = 16
+MAX_TIME = 86400.0
+SEED_LIMIT = 2**63
+#: bytes of an oversized body read (and dropped) so the client sees the 413
+_DRAIN_LIMIT = 64 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------------------
@@ -81,9 +144,10 @@ class APIError(Exception):
     """An error answered with an OpenAI-style body."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error"):
+                 status: int = 400, type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -92,23 +156,45 @@ class APIError(Exception):
 # --------------------------------------------------------------------------------------
 # engine-side helpers
 # --------------------------------------------------------------------------------------
-class _Job:
-    """Host-side bookkeeping of one HTTP request (owned by the scheduler thread)."""
+class _Submission:
+    """The rows of one HTTP request on their way to the scheduler."""
 
-    def __init__(self, request, loop, queue, stops: list[str], log):
+    def __init__(self, group: str, requests: list, loop, queue, stops: list[str], *, deadline: float | None = None,
+                 logprobs: int | None = None, t_arrival: float | None = None):
+        self.group, self.requests, self.loop, self.queue, self.stops = group, requests, loop, queue, stops
+        self.deadline, self.logprobs = deadline, logprobs
+        self.t_arrival = time.perf_counter() if t_arrival is None else t_arrival
+
+
+class _Job:
+    """Host-side bookkeeping of one row (one choice of an HTTP request; owned by the scheduler thread)."""
+
+    def __init__(self, request, sub: _Submission, index: int, log):
         self.request = request
         self.rid = request.id
-        self.loop = loop
-        self.queue = queue
-        self.stops = stops
+        self.group = sub.group
+        self.index = index
+        self.loop, self.queue, self.stops = sub.loop, sub.queue, sub.stops
+        self.deadline, self.logprobs = sub.deadline, sub.logprobs
         self.log = log
         self.tokens: list[int] = []
         self.sent = 0  # characters of text already delivered
+        self.text_len = 0  # characters of the decoded tokens
         self.rounds = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.round_produced = 0
-        self.t0 = time.perf_counter()
+        self.t_arrival = sub.t_arrival
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.queued = True  # counted in the scheduler's queue until it joins the batch
+        self.lp: list = []  # per token: (logprob, [(id, logprob)]) or None
+        self.offsets: list[int] = []  # per token: where its text starts
+        self.lp_sent = 0
+
+    def queue_time(self) -> float:
+        return (self.t_admit if self.t_admit is not None else time.perf_counter()) - self.t_submit
 
     def usage(self) -> dict:
         p, c = len(self.request.prompt), len(self.tokens)
@@ -120,20 +206,43 @@ class _Job:
             "accepted_tokens": self.accepted_tokens,
             "rounds": self.rounds,
             "tau": None if not self.rounds else round(tau(self.round_produced, self.rounds), 4),
+            "queue_time_s": round(self.queue_time(), 6),
         }
 
 
-class RoundObserver:
-    """``mtpflow_emit`` plugin: per-request counters (it logs nothing: the
-    engine's round events already go to ``mtpflow.rounds``)."""
+def _aggregate_usage(parts: list[tuple[dict, int]]) -> dict:
+    """One usage for ``n`` choices: ``(usage, produced tokens)`` each."""
+    if len(parts) == 1:
+        return parts[0][0]
+    us = [u for u, _ in parts]
+    p = us[0]["prompt_tokens"]
+    c = sum(u["completion_tokens"] for u in us)
+    rounds = sum(u["rounds"] for u in us)
+    produced = sum(n for _, n in parts)
+    return {
+        "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+        "draft_tokens": sum(u["draft_tokens"] for u in us),
+        "accepted_tokens": sum(u["accepted_tokens"] for u in us),
+        "rounds": rounds,
+        "tau": None if not rounds else round(tau(produced, rounds), 4),
+        "queue_time_s": max(u["queue_time_s"] for u in us),
+    }
 
-    def __init__(self, jobs: dict[str, _Job]):
+
+class RoundObserver:
+    """Session plugin: per-request counters and the spec-decode metrics (it logs
+    nothing: the engine's round events already go to ``mtpflow.rounds``)."""
+
+    def __init__(self, jobs: dict[str, _Job], metrics=None):
         self.jobs = jobs
+        self.metrics = metrics
 
     @hookimpl
     def mtpflow_emit(self, session, record, emitted):
+        spec = []
         for i, rid in enumerate(emitted):  # record lists are in the order of emitted's keys
             job = self.jobs.get(rid)
+            spec.append(job is not None and job.request.speculative)
             if job is None:
                 continue
             drafted = record.drafted if job.request.speculative else 0
@@ -144,6 +253,18 @@ class RoundObserver:
             job.draft_tokens += drafted
             job.accepted_tokens += acc
             job.round_produced += n
+        if self.metrics is not None and any(rid in self.jobs for rid in emitted):
+            self.metrics.observe_round(record, spec)
+
+    @hookimpl(wrapper=True)
+    def mtpflow_prefill(self, session, requests):
+        state = yield
+        if self.metrics is not None:
+            from .serve_batcher import PROBE_SUFFIX
+
+            unique = {tuple(r.prompt) for r in requests if not r.id.endswith(PROBE_SUFFIX)}
+            self.metrics.prefill_tokens.inc(sum(len(p) for p in unique))
+        return state
 
 
 # --------------------------------------------------------------------------------------
@@ -157,25 +278,40 @@ class Scheduler:
     :class:`~mtpflow.engine.Session` (called in the scheduler thread), or a
     ready :class:`~mtpflow.engine.Session` (MLX arrays are bound to the thread
     that created them, so such a session only works when that is safe).
+    ``plugins``: extra plugin objects for the session.  ``max_queued``: rows
+    that may wait for a place in the batch (then :meth:`submit` raises a 503).
     """
 
-    def __init__(self, source: Any, *, log=None, max_batch_size: int | None = None):
+    def __init__(self, source: Any, *, log=None, max_batch_size: int | None = None,
+                 max_queued: int = DEFAULT_MAX_QUEUED, metrics=None, plugins=()):
+        from .serve_logprobs import LogprobRecorder
+
         self.source = source
         self.log = log if log is not None else stdlib_logger(SERVER)
         self.max_batch_size = max_batch_size
+        self.max_queued = int(max_queued)
+        self.metrics = metrics
+        self.plugins = list(plugins)
+        self.recorder = LogprobRecorder()
         self.session = None
         self.batcher = None
         self._jobs: dict[str, _Job] = {}
+        self._groups: dict[str, list[str]] = {}
         self._cmds: deque = deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._queued = 0  # rows submitted, not yet in the batch (guarded by _cond)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="mtpflow-scheduler", daemon=True)
-        self.counters = {"requests_total": 0, "finished_total": 0, "cancelled_total": 0, "errors_total": 0}
-        self.snapshot: dict = {"active_rows": 0, "waiting": 0, "open_requests": 0}
+        self._finished_at: deque = deque()
+        self.retry_after = 1
+        self.counters = {"requests_total": 0, "finished_total": 0, "cancelled_total": 0, "errors_total": 0,
+                         "timeouts_total": 0}
+        self.snapshot: dict = {"active_rows": 0, "waiting": 0, "open_requests": 0, "queued": 0}
         self.vocab_size = 0
         self.tokenizer = None
+        self.max_token_chars = 0
         self.config = None
         self.eos_ids: frozenset = frozenset()
 
@@ -208,12 +344,30 @@ class Scheduler:
             self._cmds.append(cmd)
             self._cond.notify()
 
-    def submit(self, request, loop, queue, stops: list[str]) -> None:
-        self._push(("submit", request, loop, queue, stops))
+    def queue_full(self, n: int = 1) -> bool:
+        return self._queued + n > self.max_queued
 
-    def cancel(self, request_id: str) -> None:
+    def _queue_full_error(self) -> APIError:
+        return APIError(f"the server is busy: {self._queued} requests are waiting (--max-queued {self.max_queued}); "
+                        f"retry after {self.retry_after} s", status=503, type="server_error", code="queue_full",
+                        headers={"Retry-After": str(self.retry_after)})
+
+    def submit(self, sub: _Submission) -> None:
+        """Queue a submission's rows (503 when the queue is full)."""
+        n = len(sub.requests)
+        with self._cond:
+            if self._stop:
+                raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+            if self._queued + n > self.max_queued:
+                raise self._queue_full_error()
+            self._queued += n
+            self._cmds.append(("submit", sub))
+            self._cond.notify()
+
+    def cancel(self, group: str) -> None:
+        """Cancel every row of the HTTP request ``group`` (its rows leave at the next round)."""
         try:
-            self._push(("cancel", request_id))
+            self._push(("cancel", group))
         except APIError:
             pass
 
@@ -228,12 +382,14 @@ class Scheduler:
         from .config import Config
         from .engine import Session, load_session
 
-        observer = RoundObserver(self._jobs)
+        observer = RoundObserver(self._jobs, self.metrics)
+        extra = [observer, self.recorder, *self.plugins]
         if isinstance(self.source, Config):
-            session = load_session(self.source, extra_plugins=[observer], log=round_logger())
+            session = load_session(self.source, extra_plugins=extra, log=round_logger())
         else:
             session = self.source() if callable(self.source) and not isinstance(self.source, Session) else self.source
-            session.plugins.pm.register(observer, name=f"mtpflow-server-observer-{id(observer)}")
+            for p in extra:
+                session.plugins.pm.register(p, name=f"mtpflow-server-{type(p).__name__}-{id(p)}")
         cfg = session.config
         if cfg.batch.policy == "static" or self.max_batch_size is not None:
             bc = _evolve(cfg.batch, policy="continuous" if cfg.batch.policy == "static" else cfg.batch.policy,
@@ -246,13 +402,14 @@ class Scheduler:
     def _main(self) -> None:
         try:
             try:
-                from .engine import Batcher
+                from .serve_batcher import IsolatingBatcher
 
                 self.session = self._load()
-                self.batcher = Batcher(self.session)
+                self.batcher = IsolatingBatcher(self.session)
                 self.config = self.session.config
                 self.vocab_size = int(self.session.target.vocab_size)
                 self.tokenizer = self.session.tokenizer
+                self.max_token_chars = _max_token_chars(self.tokenizer)
                 self.eos_ids = frozenset(self.session.target.eos_ids)
                 self._publish()
             except BaseException as exc:  # reported by start()
@@ -267,7 +424,7 @@ class Scheduler:
             with self._cond:
                 self._stop = True
             for job in list(self._jobs.values()):
-                self._send(job, ("error", "the server stopped before the request finished"))
+                self._send(job, ("error", job.index, "the server stopped before the request finished"))
             self._jobs.clear()
             self.session = self.batcher = None
             try:
@@ -292,48 +449,82 @@ class Scheduler:
                 self._cmds.clear()
             for cmd in cmds:
                 self._handle(cmd)
+            self._expire()
             if not self.batcher.idle:
+                t_step = time.perf_counter()
+                recoveries = self.batcher.recoveries
                 try:
                     events = self.batcher.step()
-                except Exception as exc:
+                except Exception as exc:  # the isolation itself failed: a bug; end every row
                     self.log.exception("round.failed", error=str(exc))
-                    self.counters["errors_total"] += 1
                     for job in list(self._jobs.values()):
                         self._finish_error(job, f"generation failed: {type(exc).__name__}: {exc}")
-                    from .engine import Batcher
+                    from .serve_batcher import IsolatingBatcher
 
-                    self.batcher = Batcher(self.session)
+                    self.batcher = IsolatingBatcher(self.session)
                     events = []
+                if self.metrics is not None and self.batcher.recoveries != recoveries:
+                    self.metrics.recoveries.inc(self.batcher.recoveries - recoveries)
                 for ev in events:
                     job = self._jobs.get(ev.request_id)
-                    if job is not None:
-                        self._advance(job, ev.tokens, ev.finished, ev.finish_reason)
+                    if job is None:
+                        continue
+                    try:
+                        self._event(job, ev, t_step)
+                    except Exception as exc:  # this row's text handling failed: end it alone
+                        self._finish_error(job, f"generation failed: {type(exc).__name__}: {exc}")
             self._publish()
 
     def _publish(self) -> None:
         b = self.batcher
+        now = time.perf_counter()
+        while self._finished_at and self._finished_at[0] < now - 60.0:
+            self._finished_at.popleft()
+        if self._finished_at:
+            span = max(now - self._finished_at[0], 1.0)
+            rate = len(self._finished_at) / span
+            self.retry_after = int(min(60, max(1, math.ceil((self._queued + 1) / rate))))
+        else:
+            self.retry_after = 1
         self.snapshot = {
             "active_rows": b.live,
             "waiting": len(b.waiting),
+            "queued": self._queued,
+            "max_queued": self.max_queued,
             "open_requests": len(self._jobs),
+            "recoveries": b.recoveries,
             **self.counters,
             "session": self.session.stats.as_dict(),
         }
+        if self.metrics is not None:
+            self.metrics.running.set(b.live)
+            self.metrics.waiting.set(self._queued)
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "submit":
-            _, request, loop, queue, stops = cmd
-            job = _Job(request, loop, queue, stops, self.log.bind(request_id=request.id))
-            self._jobs[request.id] = job
-            self.counters["requests_total"] += 1
-            self.batcher.add([request])
+            sub = cmd[1]
+            for i, request in enumerate(sub.requests):
+                log = self.log.bind(request_id=request.id)
+                job = _Job(request, sub, i, log)
+                self._jobs[request.id] = job
+                self._groups.setdefault(sub.group, []).append(request.id)
+                if sub.logprobs is not None:
+                    self.recorder.wanted[request.id] = sub.logprobs
+                self.counters["requests_total"] += 1
+            self.batcher.add(sub.requests)
         elif kind == "cancel":
-            job = self._jobs.pop(cmd[1], None)
-            if job is not None:
-                self.batcher.cancel(job.rid)
+            for rid in self._groups.get(cmd[1], []):
+                job = self._jobs.get(rid)
+                if job is None:
+                    continue
+                self._end(job)
+                self.batcher.cancel(rid)
                 self.counters["cancelled_total"] += 1
-                job.log.info("request.cancelled", completion_tokens=len(job.tokens))
+                if self.metrics is not None:
+                    self.metrics.outcomes.inc(outcome="cancelled")
+                job.log.info("request.cancelled", completion_tokens=len(job.tokens),
+                             elapsed_s=round(time.perf_counter() - job.t_arrival, 4))
         elif kind == "call":
             _, fn, fut = cmd
             if fut.set_running_or_notify_cancel():
@@ -342,25 +533,70 @@ class Scheduler:
                 except BaseException as exc:
                     fut.set_exception(exc)
 
+    def _dequeue(self, job: _Job) -> None:
+        if job.queued:
+            job.queued = False
+            with self._cond:
+                self._queued -= 1
+
+    def _end(self, job: _Job) -> None:
+        """Forget a row that ended (for any reason)."""
+        self._jobs.pop(job.rid, None)
+        rids = self._groups.get(job.group)
+        if rids is not None and not any(r in self._jobs for r in rids):
+            del self._groups[job.group]
+        self._dequeue(job)
+        self.recorder.discard(job.rid)
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(len(job.tokens))
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for job in [j for j in self._jobs.values() if j.deadline is not None and now >= j.deadline]:
+            self.batcher.cancel(job.rid)
+            self.counters["timeouts_total"] += 1
+            self._finish(job, self._decode(job.tokens), "length", detail="timeout")
+
     # ---- per-request text ------------------------------------------------------------
     def _decode(self, tokens: list[int]) -> str:
         tok = self.tokenizer
         return tok.decode(tokens) if tok is not None else ""
 
+    def _event(self, job: _Job, ev, t_step: float) -> None:
+        if job.t_admit is None:  # its first event: it joined the batch at this step
+            job.t_admit = t_step
+            self._dequeue(job)
+            if self.metrics is not None:
+                self.metrics.queue_time.observe(job.t_admit - job.t_submit)
+        if ev.finish_reason == "error":
+            self._finish_error(job, self.batcher.errors.pop(job.rid, "generation failed"))
+            return
+        if ev.tokens and job.t_first is None:
+            job.t_first = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(job.t_first - job.t_arrival)
+        self._advance(job, ev.tokens, ev.finished, ev.finish_reason)
+
     def _advance(self, job: _Job, tokens: list[int], finished: bool, reason: str | None) -> None:
-        if job.stops and tokens:
-            start = max(0, job.sent - max(len(s) for s in job.stops))
-            for t in tokens:  # token by token: the stop ends at the token that completes it
+        if (job.stops or job.logprobs is not None) and tokens:
+            entries = (self.recorder.take(job.rid, len(tokens)) if job.logprobs is not None
+                       else [None] * len(tokens))
+            start = max(0, job.sent - max((len(s) for s in job.stops), default=0))
+            for t, e in zip(tokens, entries):  # token by token: a stop ends at the token that completes it
+                job.offsets.append(job.text_len)
                 job.tokens.append(t)
+                job.lp.append(e)
                 text = self._decode(job.tokens)
-                cut = _find_stop(text, job.stops, start)
+                job.text_len = len(text)
+                cut = _find_stop(text, job.stops, start) if job.stops else None
                 if cut is not None:
                     self.batcher.cancel(job.rid)
-                    self._finish(job, text[:cut], "stop")
+                    self._finish(job, text[:cut], "stop", lp_end=cut)
                     return
         else:
             job.tokens.extend(tokens)
         text = self._decode(job.tokens)
+        job.text_len = len(text)
         if finished:
             self._finish(job, text, "length" if reason == "length" else "stop")
             return
@@ -370,22 +606,49 @@ class Scheduler:
         if job.stops:
             safe = min(safe, len(text) - _stop_holdback(text, job.stops))
         if safe > job.sent:
-            self._send(job, ("delta", text[job.sent:safe]))
+            self._send(job, ("delta", job.index, text[job.sent:safe], self._logprobs_upto(job, safe)))
             job.sent = safe
 
-    def _finish(self, job: _Job, text: str, reason: str) -> None:
-        self._jobs.pop(job.rid, None)
+    def _logprobs_upto(self, job: _Job, end: int):
+        """``(tokens, entries, offsets)`` not yet sent whose text starts before ``end``; None without logprobs."""
+        if job.logprobs is None:
+            return None
+        i = job.lp_sent
+        j = i
+        while j < len(job.tokens) and job.offsets[j] < end:
+            j += 1
+        job.lp_sent = j
+        return job.tokens[i:j], job.lp[i:j], job.offsets[i:j]
+
+    def _finish(self, job: _Job, text: str, reason: str, detail: str | None = None,
+                lp_end: int | None = None) -> None:
+        """End a row that completed (``lp_end``: log-probabilities only of tokens starting before it; default all)."""
+        self._end(job)
         self.counters["finished_total"] += 1
+        self._finished_at.append(time.perf_counter())
         delta = text[job.sent:]
+        lps = self._logprobs_upto(job, math.inf if lp_end is None else lp_end)
         job.sent = len(text)
         usage = job.usage()
-        job.log.info("request.done", finish_reason=reason, elapsed_s=round(time.perf_counter() - job.t0, 4), **usage)
-        self._send(job, ("done", delta, reason, usage))
+        elapsed = time.perf_counter() - job.t_arrival
+        extra = {"finish_detail": detail} if detail else {}
+        if self.metrics is not None:
+            m = self.metrics
+            m.success.inc(finished_reason=reason)
+            m.outcomes.inc(outcome=detail or "ok")
+            m.prompt_tokens.inc(usage["prompt_tokens"])
+            m.e2e.observe(elapsed)
+        job.log.info("request.done", finish_reason=reason, elapsed_s=round(elapsed, 4), **extra, **usage)
+        self._send(job, ("done", job.index, delta, reason, usage, job.round_produced, lps, detail))
 
     def _finish_error(self, job: _Job, message: str) -> None:
-        self._jobs.pop(job.rid, None)
+        self._end(job)
         self.batcher.cancel(job.rid)
-        self._send(job, ("error", message))
+        self.counters["errors_total"] += 1
+        if self.metrics is not None:
+            self.metrics.outcomes.inc(outcome="error")
+        job.log.info("request.failed", error=message, completion_tokens=len(job.tokens))
+        self._send(job, ("error", job.index, message))
 
     @staticmethod
     def _send(job: _Job, msg) -> None:
@@ -399,6 +662,16 @@ def _evolve(inst, **changes):
     import attrs
 
     return attrs.evolve(inst, **changes)
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The longest token's text, in characters (an upper bound on characters per token)."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # a tokenizer without a vocabulary listing: no pre-check
+        return 0
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:
@@ -422,7 +695,7 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# request validation
+# request validation (runs in the handlers' thread pool)
 # --------------------------------------------------------------------------------------
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -432,13 +705,68 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _show(v) -> str:
+    try:
+        return json.dumps(v)[:80]
+    except (TypeError, ValueError):  # pragma: no cover
+        return type(v).__name__
+
+
 def _opt(body: dict, name: str, check, what: str, default=None):
     v = body.get(name)
     if v is None:
         return default
     if not check(v):
-        raise APIError(f"'{name}' must be {what} (got {json.dumps(v)[:80]})", param=name, code="invalid_type")
+        raise APIError(f"'{name}' must be {what} (got {_show(v)})", param=name, code="invalid_type")
     return v
+
+
+def _path(parts) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "body"
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body, or an :class:`APIError`: not UTF-8,
+    not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, or a string holding
+    a lone UTF-16 surrogate (which no tokenizer can encode)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
+                       code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise APIError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, and integers with too many digits
+        raise APIError(f"could not parse the JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the JSON body must be an object", code="invalid_json")
+    # one walk: depth and strings (an explicit stack: deep bodies cannot recurse here)
+    stack = [(body, 1, ())]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                p = _path(where)
+                raise APIError(f"'{p}' holds a lone UTF-16 surrogate (\\u{ord(v[exc.start]):04x} at character "
+                               f"{exc.start}); text must be valid Unicode", param=p, code="invalid_value") from None
+            continue
+        if isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    stack.append((k, depth, where))
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, depth + 1, where + (k,)))
+    return body
 
 
 class _Params:
@@ -471,6 +799,8 @@ def _parse_common(body: dict, app_cfg: dict, chat: bool) -> _Params:
     if not 0.0 <= p.min_p <= 1.0:
         raise APIError("'min_p' must be in [0, 1]", param="min_p", code="invalid_value")
     p.seed = _opt(body, "seed", _is_int, "an integer", sc.seed)
+    if p.seed is not None and not 0 <= p.seed < SEED_LIMIT:
+        raise APIError(f"'seed' must be in [0, 2**63) (got {_show(p.seed)})", param="seed", code="invalid_value")
     stop = body.get("stop")
     if stop is None:
         p.stops = []
@@ -482,22 +812,64 @@ def _parse_common(body: dict, app_cfg: dict, chat: bool) -> _Params:
         raise APIError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
     if len(p.stops) > MAX_STOP_STRINGS:
         raise APIError(f"at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
+    if any(len(s) > MAX_STOP_LENGTH for s in p.stops):
+        raise APIError(f"a stop string has at most {MAX_STOP_LENGTH} characters", param="stop", code="invalid_value")
     p.stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     p.speculative = _opt(body, "speculative", lambda v: isinstance(v, bool), "a boolean", True)
-    n = _opt(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise APIError("only n=1 is supported", param="n", code="invalid_value")
+    p.n = _opt(body, "n", _is_int, "an integer", 1)
+    if not 1 <= p.n <= MAX_N:
+        raise APIError(f"'n' must be in [1, {MAX_N}] (got {p.n})", param="n", code="invalid_value")
+    p.max_time = _opt(body, "max_time", _is_num, "a number of seconds")
+    if p.max_time is not None and not 0.0 < p.max_time <= MAX_TIME:
+        raise APIError(f"'max_time' must be in (0, {MAX_TIME:.0f}] seconds", param="max_time", code="invalid_value")
+    p.logprobs = _parse_logprobs(body, chat)
     return p
 
 
-def _prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    """The number of alternatives per token, or None (no logprobs)."""
+    from .serve_logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+
+    if chat:
+        on = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = _opt(body, "top_logprobs", _is_int, "an integer")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs",
+                           code="invalid_value")
+        if top is not None and not on:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return (top or 0) if on else None
+    n = _opt(body, "logprobs", _is_int, "an integer")
+    if n is not None and not 0 <= n <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs", code="invalid_value")
+    return n
+
+
+def _too_long(chars: int, limit: int, max_token_chars: int, param: str) -> None:
+    """Refuse, without tokenizing, text that cannot fit the context whatever its tokens."""
+    if max_token_chars and chars > 2 * limit * max_token_chars:
+        raise APIError(f"the prompt has {chars} characters, more than the {limit}-token context limit can hold",
+                       param=param, code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text))
+    except Exception as exc:
+        raise APIError(f"could not tokenize the {param}: {type(exc).__name__}: {exc}", param=param,
+                       code="invalid_value") from None
+
+
+def _prompt_ids(body: dict, tokenizer, vocab: int, limit: int = 0, max_token_chars: int = 0) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError("this model has no tokenizer; send the prompt as a list of token ids", param="prompt")
-        ids = list(tokenizer.encode(prompt))
+        _too_long(len(prompt), limit, max_token_chars, "prompt")
+        ids = _encode(tokenizer, prompt, "prompt")
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -536,7 +908,7 @@ def render_chat_fallback(messages: list[dict]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def _chat_ids(body: dict, tokenizer) -> list[int]:
+def _chat_ids(body: dict, tokenizer, limit: int = 0, max_token_chars: int = 0) -> list[int]:
     msgs = body.get("messages")
     if msgs is None:
         raise APIError("'messages' is required", param="messages", code="missing_required_parameter")
@@ -550,6 +922,7 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
         norm.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
     if tokenizer is None:
         raise APIError("this model has no tokenizer; use /v1/completions with token ids", param="messages")
+    _too_long(sum(len(m["content"]) + len(m["role"]) for m in norm), limit, max_token_chars, "messages")
     if getattr(tokenizer, "chat_template", None):
         try:
             out = tokenizer.apply_chat_template(norm, add_generation_prompt=True)
@@ -559,7 +932,7 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
             out = out["input_ids"]
         ids = list(out)
     else:
-        ids = list(tokenizer.encode(render_chat_fallback(norm)))
+        ids = _encode(tokenizer, render_chat_fallback(norm), "messages")
     if not ids:
         raise APIError("the messages encode to no tokens", param="messages", code="invalid_value")
     return ids
@@ -579,13 +952,20 @@ def _served_name(cfg) -> str:
 
 
 def create_app(session_or_config: Any, *, served_model_name: str | None = None,
-               max_context: int | None = None, max_batch_size: int | None = None, log=None):
+               max_context: int | None = None, max_batch_size: int | None = None, log=None,
+               max_queued: int | None = None, max_body_size: int | None = None,
+               request_timeout: float | None = None, plugins=()):
     """Build the Starlette app and start its scheduler thread (the model loads now).
 
     ``session_or_config``: a :class:`~mtpflow.config.Config` (recommended), a
     zero-argument session factory, or a :class:`~mtpflow.engine.Session` (see
-    :class:`Scheduler`).  The scheduler is reachable as ``app.state.scheduler``
-    and stops at the app's lifespan shutdown (or at process exit).
+    :class:`Scheduler`).  ``max_queued``: rows that may wait for the batch
+    (default :data:`DEFAULT_MAX_QUEUED`); ``max_body_size``: bytes (default
+    :data:`DEFAULT_MAX_BODY_SIZE`); ``request_timeout``: the default and
+    largest ``max_time`` in seconds (default: none); ``plugins``: extra plugin
+    objects for the session.  The scheduler is reachable as
+    ``app.state.scheduler``, the metrics as ``app.state.metrics``; both stop
+    at the app's lifespan shutdown (or at process exit).
     """
     from contextlib import asynccontextmanager
 
@@ -594,20 +974,33 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
     require("serve", "starlette")
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HTTPRequest
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    sched = Scheduler(session_or_config, log=log, max_batch_size=max_batch_size).start()
+    from .serve_logprobs import TokenText, chat_content, completion_logprobs
+    from .serve_metrics import CONTENT_TYPE, ServerMetrics
+
+    # the served name is known only once the config is: metrics are labelled after loading
+    metrics = ServerMetrics("")
+    sched = Scheduler(session_or_config, log=log, max_batch_size=max_batch_size,
+                      max_queued=DEFAULT_MAX_QUEUED if max_queued is None else max_queued,
+                      metrics=metrics, plugins=plugins).start()
     cfg = sched.config
     name = served_model_name or _served_name(cfg)
+    metrics.registry.base = (("model_name", name),)
     app_cfg = {
         "served_model_name": name,
         "max_context": int(max_context or DEFAULT_MAX_CONTEXT),
         "sampling": cfg.sampling,
         "default_max_tokens": cfg.generation.max_tokens,
         "created": int(time.time()),
+        "max_body_size": int(max_body_size or DEFAULT_MAX_BODY_SIZE),
+        "request_timeout": request_timeout,
     }
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtpflow-http")
+    token_text = TokenText(sched.tokenizer)
 
     class SSEResponse(StreamingResponse):
         def __init__(self, content, on_close):
@@ -621,17 +1014,32 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             finally:
                 self.on_close()
 
-    async def read_json(request: HTTPRequest) -> dict:
-        raw = await request.body()
+    async def read_body(request: HTTPRequest) -> bytes:
+        limit = app_cfg["max_body_size"]
+        declared = request.headers.get("content-length")
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"could not parse the JSON body: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError("the JSON body must be an object", code="invalid_json")
-        return body
+            over = declared is not None and int(declared) > limit
+        except ValueError:
+            raise APIError("the Content-Length header is not a number", code="invalid_header") from None
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if over or size > limit:
+                    # keep reading (and dropping) what the client sends, so it sees the 413
+                    over = True
+                    if size > _DRAIN_LIMIT:
+                        break
+                    continue
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError("the client went away", status=499, code="client_closed") from None
+        if over:
+            raise APIError(f"the request body is larger than this server's limit of {limit} bytes (--max-body-size)",
+                           status=413, code="request_too_large")
+        return b"".join(chunks)
 
-    def build_request(ids: list[int], p: _Params, rid: str, param: str):
+    def build_requests(ids: list[int], p: _Params, rid: str, param: str) -> list:
         from .state import Request, SamplingParams
 
         limit = app_cfg["max_context"]
@@ -644,36 +1052,87 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         if len(ids) + mt > limit:
             raise APIError(f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the context limit of {limit} tokens",
                            param=param, code="context_length_exceeded")
-        seed = p.seed
-        if seed is None and p.temperature > 0:
-            seed = secrets.randbits(31)  # unseeded rows would otherwise all share key(0)
-        sp = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                            repetition_penalty=cfg.sampling.repetition_penalty, seed=seed)
-        # what engine.make_request builds, without touching the session from this thread
-        return Request(id=rid, prompt=list(ids), max_tokens=mt, sampling=sp, stop_ids=sched.eos_ids,
-                       speculative=p.speculative)
+        out = []
+        for i in range(p.n):
+            seed = p.seed
+            if seed is not None:
+                seed = (seed + i) % SEED_LIMIT
+            elif p.temperature > 0:
+                seed = secrets.randbits(31)  # unseeded rows would otherwise all share key(0)
+            sp = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                                repetition_penalty=cfg.sampling.repetition_penalty, seed=seed)
+            # what engine.make_request builds, without touching the session from this thread
+            out.append(Request(id=rid if p.n == 1 else f"{rid}-{i}", prompt=list(ids), max_tokens=mt, sampling=sp,
+                               stop_ids=sched.eos_ids, speculative=p.speculative))
+        return out
+
+    def prepare(raw: bytes, chat: bool, rid: str):
+        """Parse, validate and tokenize (in the pool, off the event loop)."""
+        body = parse_body(raw)
+        p = _parse_common(body, app_cfg, chat)
+        limit, mtc = app_cfg["max_context"], sched.max_token_chars
+        if chat:
+            ids = _chat_ids(body, sched.tokenizer, limit, mtc)
+        else:
+            ids = _prompt_ids(body, sched.tokenizer, sched.vocab_size, limit, mtc)
+        return p, build_requests(ids, p, rid, "messages" if chat else "prompt")
+
+    def deadline_of(p: _Params, t_arrival: float) -> float | None:
+        limits = [t for t in (p.max_time, app_cfg["request_timeout"]) if t is not None]
+        return t_arrival + min(limits) if limits else None
+
+    def format_logprobs(lps, chat: bool, want_top: bool):
+        if lps is None:
+            return None
+        toks, entries, offsets = lps
+        if chat:
+            return {"content": chat_content(toks, entries, token_text), "refusal": None}
+        return completion_logprobs(toks, entries, offsets, token_text, want_top)
+
+    async def watch_disconnect(request: HTTPRequest, queue: asyncio.Queue) -> None:
+        # the body has been read: the next ASGI message is the client going away
+        try:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    queue.put_nowait(("disconnect",))
+                    return
+        except Exception:  # pragma: no cover - the connection is gone either way
+            return
 
     async def run(request: HTTPRequest, chat: bool):
-        body = await read_json(request)
-        p = _parse_common(body, app_cfg, chat)
-        if chat:
-            ids = _chat_ids(body, sched.tokenizer)
-        else:
-            ids = _prompt_ids(body, sched.tokenizer, sched.vocab_size)
+        t_arrival = time.perf_counter()
+        if sched.queue_full():  # cheap refusal before reading and tokenizing
+            raise sched._queue_full_error()
+        raw = await read_body(request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        req = build_request(ids, p, rid, "messages" if chat else "prompt")
         loop = asyncio.get_running_loop()
+        p, reqs = await loop.run_in_executor(pool, prepare, raw, chat, rid)
         queue: asyncio.Queue = asyncio.Queue()
-        sched.submit(req, loop, queue, p.stops)
+        sched.submit(_Submission(rid, reqs, loop, queue, p.stops, deadline=deadline_of(p, t_arrival),
+                                 logprobs=p.logprobs, t_arrival=t_arrival))
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        n = len(reqs)
+        want_top = bool(p.logprobs)
 
-        def chunk(text: str | None, finish: str | None, usage: dict | None = None, first: bool = False) -> str:
+        def choice_of(i: int, text: str | None, finish: str | None, lps=None, first: bool = False,
+                      detail: str | None = None, stream: bool = True) -> dict:
+            lp = format_logprobs(lps, chat, want_top)
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if stream:
+                    delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                    c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                else:
+                    c = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                         "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            if detail:
+                c["finish_detail"] = detail
+            return c
+
+        def chunk(choice: dict, usage: dict | None = None) -> str:
             d = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": name,
                  "choices": [choice]}
             if usage is not None:
@@ -686,24 +1145,32 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             async def events():
                 try:
                     if chat:
-                        yield chunk(None, None, first=True)
-                    while True:
+                        for i in range(n):
+                            yield chunk(choice_of(i, None, None, first=True))
+                    pending, usages = n, []
+                    while pending:
                         msg = await queue.get()
-                        if msg[0] == "delta":
-                            yield chunk(msg[1], None)
-                        elif msg[0] == "done":
+                        kind = msg[0]
+                        if kind == "delta":
+                            _, i, text, lps = msg
+                            yield chunk(choice_of(i, text, None, lps))
+                        elif kind == "done":
+                            _, i, text, reason, usage, produced, lps, detail = msg
+                            pending -= 1
+                            usages.append((usage, produced))
+                            if text or (lps is not None and lps[0]):
+                                yield chunk(choice_of(i, text, None, lps))
+                            yield chunk(choice_of(i, None, reason, detail=detail),
+                                        _aggregate_usage(usages) if not pending else None)
+                        elif kind == "error":
                             state["done"] = True
-                            if msg[1]:
-                                yield chunk(msg[1], None)
-                            yield chunk(None, msg[2], msg[3])
-                            yield "data: [DONE]\n\n"
-                            return
-                        else:
-                            state["done"] = True
-                            err = APIError(msg[1], type="server_error", code="generation_failed", status=500)
+                            sched.cancel(rid)
+                            err = APIError(msg[2], type="server_error", code="generation_failed", status=500)
                             yield f"data: {json.dumps(err.body())}\n\n"
                             yield "data: [DONE]\n\n"
                             return
+                    state["done"] = True
+                    yield "data: [DONE]\n\n"
                 finally:
                     if not state["done"]:
                         state["done"] = True
@@ -712,39 +1179,46 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             def on_close():
                 if not state["done"]:
                     state["done"] = True
-                    sched.cancel(rid)  # the client went away: drop its row at the next round
+                    sched.cancel(rid)  # the client went away: drop its rows at the next round
 
             return SSEResponse(events(), on_close)
 
-        # non-streaming: collect, cancelling the row if the client disconnects
-        parts: list[str] = []
+        # non-streaming: collect, cancelling the rows as soon as the client disconnects
+        parts: list[list[str]] = [[] for _ in range(n)]
+        lp_parts: list[list] = [[[], [], []] for _ in range(n)]
+        finals: list = [None] * n
+        usages: list = []
+        watcher = asyncio.ensure_future(watch_disconnect(request, queue))
         try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        sched.cancel(rid)
-                        return JSONResponse({}, status_code=499)
-                    continue
-                if msg[0] == "delta":
-                    parts.append(msg[1])
-                elif msg[0] == "done":
-                    parts.append(msg[1])
-                    text, reason, usage = "".join(parts), msg[2], msg[3]
-                    break
+            pending = n
+            while pending:
+                msg = await queue.get()
+                kind = msg[0]
+                if kind == "disconnect":
+                    sched.cancel(rid)
+                    return Response(status_code=499)
+                if kind in ("delta", "done"):
+                    i, lps = msg[1], msg[3] if kind == "delta" else msg[6]
+                    parts[i].append(msg[2])
+                    if lps is not None:
+                        for acc, xs in zip(lp_parts[i], lps):
+                            acc.extend(xs)
+                    if kind == "done":
+                        pending -= 1
+                        finals[i] = (msg[3], msg[7])
+                        usages.append((msg[4], msg[5]))
                 else:
-                    raise APIError(msg[1], type="server_error", code="generation_failed", status=500)
+                    sched.cancel(rid)
+                    raise APIError(msg[2], type="server_error", code="generation_failed", status=500)
         except asyncio.CancelledError:
             sched.cancel(rid)
             raise
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        finally:
+            watcher.cancel()
+        choices = [choice_of(i, "".join(parts[i]), finals[i][0], lp_parts[i] if p.logprobs is not None else None,
+                             detail=finals[i][1], stream=False) for i in range(n)]
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": name,
-                             "choices": [choice], "usage": usage})
+                             "choices": choices, "usage": _aggregate_usage(usages)})
 
     async def completions(request: HTTPRequest):
         return await run(request, chat=False)
@@ -765,8 +1239,15 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         return JSONResponse({"model": name, "max_context": app_cfg["max_context"],
                              "max_batch_size": cfg.batch.max_batch_size, **sched.snapshot})
 
+    async def prometheus(request: HTTPRequest):
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     async def on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        if exc.status != 499 and exc.code != "generation_failed":
+            metrics.rejected.inc(status=exc.status)
+            sched.log.info("request.rejected", status=exc.status, code=exc.code, param=exc.param,
+                           path=request.url.path, error=exc.message[:200])
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     async def on_http_error(request, exc: HTTPException):
         err = APIError(str(exc.detail), status=exc.status_code,
@@ -784,10 +1265,12 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             yield
         finally:
             await asyncio.to_thread(sched.close)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/stats", stats, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -797,14 +1280,29 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         lifespan=lifespan,
     )
     app.state.scheduler = sched
+    app.state.metrics = metrics
     app.state.served_model_name = name
     app.state.max_context = app_cfg["max_context"]
+    app.state.max_body_size = app_cfg["max_body_size"]
     return app
 
 
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """Bytes from ``"8388608"``, ``"512K"``, ``"8M"`` or ``"1G"`` (binary units)."""
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(s[-1:], 1)
+    try:
+        n = float(s[:-1] if mult != 1 else s) * mult
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 8M, 512K, 1048576)") from None
+    if not n >= 1:
+        raise ValueError(f"a size must be at least 1 byte (got {text!r})")
+    return int(n)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``mtpflow serve``."""
     parser.add_argument("--model", help="target: local folder or Hugging Face repo id (default: the built-in pair, smollm2-135m + smollm2-135m-mtp); also a packaged name: smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
@@ -823,6 +1321,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="model name clients must send (default: the target folder name)")
     parser.add_argument("--max-context", type=int, default=None,
                         help=f"limit on prompt + max_tokens per request (default {DEFAULT_MAX_CONTEXT})")
+    parser.add_argument("--max-queued", type=int, default=None,
+                        help=f"rows that may wait for a place in the batch; past it requests get 503 with "
+                             f"Retry-After (default {DEFAULT_MAX_QUEUED})")
+    parser.add_argument("--max-body-size", default=None,
+                        help=f"largest request body, e.g. 8M or 512K; past it 413 (default "
+                             f"{DEFAULT_MAX_BODY_SIZE // 2**20}M)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take from arrival, queue included: the default and the ceiling "
+                             "of the request field max_time (default: none)")
 
 
 def serve_config_from_args(args):
@@ -840,6 +1347,16 @@ def serve_config_from_args(args):
         raise ConfigError("--max-batch-size must be >= 1")
     if args.max_context is not None and args.max_context < 2:
         raise ConfigError("--max-context must be >= 2")
+    if getattr(args, "max_queued", None) is not None and args.max_queued < 0:
+        raise ConfigError("--max-queued must be >= 0")
+    if getattr(args, "max_body_size", None) is not None:
+        try:
+            parse_size(args.max_body_size)
+        except ValueError as exc:
+            raise ConfigError(f"--max-body-size: {exc}") from None
+    rt = getattr(args, "request_timeout", None)
+    if rt is not None and not 0 < rt <= MAX_TIME:
+        raise ConfigError(f"--request-timeout must be in (0, {MAX_TIME:.0f}] seconds")
     overrides = {
         "model": {
             "model": args.model,
@@ -869,13 +1386,17 @@ def run_serve(args) -> int:
 
     enable_console(getattr(logging, args.log_level.upper()))
     cfg = serve_config_from_args(args)
-    app = create_app(cfg, served_model_name=args.served_model_name, max_context=args.max_context)
+    app = create_app(cfg, served_model_name=args.served_model_name, max_context=args.max_context,
+                     max_queued=getattr(args, "max_queued", None),
+                     max_body_size=parse_size(args.max_body_size) if getattr(args, "max_body_size", None) else None,
+                     request_timeout=getattr(args, "request_timeout", None))
     print(f"mtpflow: serving {app.state.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.log_level != "warning" else "warning")
     return 0
 
 
 __all__ = [
-    "APIError", "DEFAULT_MAX_CONTEXT", "RoundObserver", "Scheduler",
-    "add_serve_arguments", "create_app", "render_chat_fallback", "run_serve", "serve_config_from_args",
+    "APIError", "DEFAULT_MAX_BODY_SIZE", "DEFAULT_MAX_CONTEXT", "DEFAULT_MAX_QUEUED", "RoundObserver", "Scheduler",
+    "add_serve_arguments", "create_app", "parse_body", "parse_size", "render_chat_fallback", "run_serve",
+    "serve_config_from_args",
 ]

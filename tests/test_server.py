@@ -21,10 +21,49 @@ httpx = pytest.importorskip("httpx")
 
 from conftest import FIXTURES  # noqa: E402
 
+from mtpflow import hookimpl  # noqa: E402
+
 PAIR = FIXTURES / "pair_e"
 MODEL = "target"  # the served name: the target folder's basename
 PROMPT = "beca daka doli bugi base dana gane bate dozi behe"
 WORDS = "beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa".split()
+
+
+# prompts (token ids) that the test plugin below acts on; no text prompt starts with them
+POISON_PREFILL = [2047, 2046, 2047]
+POISON_ROUND = [2046, 2047, 2046]
+SLOW = [2045, 2045, 2045]
+MAX_BODY = 1 << 20
+
+
+class Faults:
+    """Test plugin: prompts starting with POISON_* make the prefill / the round
+    raise; SLOW rows make every round take 20 ms longer."""
+
+    def __init__(self):
+        self.raised_with: list[tuple[str, int]] = []  # (where, rows in the batch) of every raise
+
+    @staticmethod
+    def marked(requests, mark) -> bool:
+        return any(list(r.prompt[:3]) == mark for r in requests)
+
+    @hookimpl(wrapper=True)
+    def mtpflow_prefill(self, session, requests):
+        if self.marked(requests, POISON_PREFILL):
+            self.raised_with.append(("prefill", len(requests)))
+            raise RuntimeError("poisoned prefill")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def mtpflow_accept(self, session, state, draft, verify):
+        acc = yield
+        reqs = [r.request for r in state.rows]
+        if self.marked(reqs, POISON_ROUND):
+            self.raised_with.append(("round", len(reqs)))
+            raise RuntimeError("poisoned round")
+        if self.marked(reqs, SLOW):
+            time.sleep(0.02)
+        return acc
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +80,9 @@ def server():
         "batch": {"policy": "continuous", "max_batch_size": 8},
     })
     cap = CapturingLogger()
-    app = create_app(cfg, max_context=512, log=structlog.wrap_logger(cap, processors=[]))
+    faults = Faults()
+    app = create_app(cfg, max_context=512, log=structlog.wrap_logger(cap, processors=[]), max_body_size=MAX_BODY,
+                     plugins=[faults])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -54,7 +95,7 @@ def server():
         assert time.monotonic() < deadline and t.is_alive(), "server did not start"
         time.sleep(0.02)
     base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "app": app, "sched": app.state.scheduler, "logs": cap}
+    yield {"base": base, "app": app, "sched": app.state.scheduler, "logs": cap, "faults": faults}
     srv.should_exit = True
     t.join(20)
     sock.close()
@@ -308,3 +349,198 @@ def test_serve_arguments_and_env(monkeypatch):
     monkeypatch.setenv("MTPFLOW_DRAFT_BLOCK_SIZE", "six")
     with pytest.raises(ConfigError):
         serve_config_from_args(p.parse_args([]))
+
+
+# --------------------------------------------------------------------------------------
+# isolation: every request validated before the batch; a failing row ends alone
+# --------------------------------------------------------------------------------------
+def _post(server, body, path="/v1/completions", **kw):
+    raw = body if isinstance(body, (str, bytes)) or hasattr(body, "__next__") else json.dumps(body)
+    return httpx.post(server["base"] + path, content=raw, timeout=30, headers={"content-type": "application/json"},
+                      **kw)
+
+
+def _error(resp, status=400) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"]
+    return err
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**70, -(2**70)])
+def test_seed_out_of_range_is_a_400(server, seed):
+    err = _error(_post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0.7, "seed": seed}))
+    assert err["param"] == "seed" and "2**63" in err["message"]
+
+
+def test_largest_seed_works(server, client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8)
+    a = client.completions.create(seed=2**63 - 1, **kw)
+    assert a.choices[0].text == client.completions.create(seed=2**63 - 1, **kw).choices[0].text
+    assert client.completions.create(seed=0, **kw).usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize(
+    "raw,param,needle",
+    [
+        ('{"model": "target", "prompt": "beca", "x": ' + "[" * 100 + "]" * 100 + "}", None, "nested deeper"),
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", None, "nested deeper"),
+        ('{"model": "target", "prompt": "beca \\ud800 daka"}', "prompt", "surrogate"),
+        ('{"model": "target", "messages": [{"role": "user", "content": "x\\udfff"}]}', "messages[0].content", "surrogate"),
+        (b'{"model": "target", "prompt": "beca \xff\xfe"}', None, "UTF-8"),
+        ('{"model": "target", "prompt": "beca", "max_tokens": ' + "9" * 5000 + "}", None, "JSON"),
+        ('{"model": "target", "prompt": "beca", "temperature": NaN}', "temperature", "temperature"),
+        ('{"model": "target", "prompt": "beca", "top_p": Infinity}', "top_p", "top_p"),
+        ('{"model": "target", "prompt": "beca", "n": 1000}', "n", "'n'"),
+        ('{"model": "target", "prompt": "beca", "logprobs": 6}', "logprobs", "logprobs"),
+        ('{"model": "target", "prompt": "beca", "max_time": -1}', "max_time", "max_time"),
+        ('{"model": "target", "prompt": "beca", "stop": ["' + "x" * 300 + '"]}', "stop", "stop"),
+    ],
+)
+def test_bad_bodies_are_400s(server, client, raw, param, needle):
+    path = "/v1/chat/completions" if "messages" in str(raw) else "/v1/completions"
+    err = _error(_post(server, raw, path=path))
+    assert err["param"] == param and needle in err["message"], err
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_chat_logprobs_fields_are_validated(server):
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "beca"}]}
+    assert _error(_post(server, {**base, "top_logprobs": 3}, "/v1/chat/completions"))["param"] == "top_logprobs"
+    assert _error(_post(server, {**base, "logprobs": True, "top_logprobs": 21}, "/v1/chat/completions"))["param"] \
+        == "top_logprobs"
+    assert _error(_post(server, {**base, "logprobs": 2}, "/v1/chat/completions"))["param"] == "logprobs"
+
+
+def test_body_size_limit_is_a_413(server, client):
+    big = json.dumps({"model": MODEL, "prompt": "beca " * (MAX_BODY // 4)})
+    assert len(big) > MAX_BODY
+    err = _error(_post(server, big), 413)
+    assert err["code"] == "request_too_large" and str(MAX_BODY) in err["message"]
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536].encode()
+
+    err = _error(_post(server, chunked()), 413)
+    assert err["code"] == "request_too_large"
+    # a body just under the limit is read (and refused for its length in tokens, not its size)
+    err = _error(_post(server, {"model": MODEL, "prompt": "beca " * (MAX_BODY // 6)}))
+    assert err["code"] == "context_length_exceeded"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_rejections_are_logged_once(server):
+    calls = server["logs"].calls
+    n = len(calls)
+    _error(_post(server, {"model": MODEL, "prompt": PROMPT, "top_p": 7}))
+    new = [c.kwargs for c in calls[n:] if c.kwargs.get("event") == "request.rejected"]
+    assert len(new) == 1 and new[0]["status"] == 400 and new[0]["param"] == "top_p"
+
+
+def _solo(client, kw, stream: bool = False) -> str:
+    """The greedy text of one request (streamed or not)."""
+    if stream:
+        return _stream_text(client, temperature=0, **kw)[0]
+    return client.completions.create(model=MODEL, temperature=0, **kw).choices[0].text
+
+
+def test_a_failing_row_ends_alone(server, client):
+    goods = [dict(prompt=_prompt(i), max_tokens=10 + 3 * i) for i in range(5)]
+    alone = [_solo(client, kw) for kw in goods]
+    rec0 = server["sched"].batcher.recoveries
+    server["faults"].raised_with.clear()
+    bad = [dict(prompt=POISON_ROUND + [5, 6], max_tokens=30), dict(prompt=POISON_PREFILL + [5], max_tokens=30),
+           dict(prompt=POISON_ROUND + [7], max_tokens=30, stream=True)]
+
+    def bad_one(kw):
+        try:
+            if kw.pop("stream", False):
+                return _stream_text(client, temperature=0, **kw)
+            client.completions.create(model=MODEL, temperature=0, **kw)
+        except openai.APIError as exc:
+            return exc
+        return None
+
+    with ThreadPoolExecutor(8) as ex:
+        fg = [ex.submit(_solo, client, kw, i % 2 == 1) for i, kw in enumerate(goods)]
+        fb = [ex.submit(bad_one, dict(kw)) for kw in bad]
+        got = [f.result(timeout=60) for f in fg]
+        errs = [f.result(timeout=60) for f in fb]
+    for i, g in enumerate(got):
+        assert g == alone[i], f"good request {i} changed by a failing neighbour"
+    assert isinstance(errs[0], openai.InternalServerError) and "poisoned round" in errs[0].message
+    assert isinstance(errs[1], openai.InternalServerError) and "poisoned prefill" in errs[1].message
+    assert isinstance(errs[2], openai.APIError) and "poisoned round" in str(errs[2])  # an error event in the stream
+    assert server["sched"].batcher.recoveries > rec0
+    # the failures happened inside batches of good rows (then again in the failing row's probe, alone)
+    raised = server["faults"].raised_with
+    assert max(n for w, n in raised if w == "round") > 1 and ("round", 1) in raised, raised
+    _wait_idle(server)
+    failed = [c.kwargs for c in server["logs"].calls if c.kwargs.get("event") == "request.failed"]
+    assert any("poisoned round" in f["error"] for f in failed)
+
+
+# a property test: random bad requests thrown into a live batch of good ones
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_GOODS = [dict(prompt=_prompt(i), max_tokens=8 + 5 * i) for i in range(4)]
+_SOLO: dict[int, str] = {}
+
+
+def _bad_requests():
+    """(raw body or dict, expected status) of requests that must fail alone."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5}
+    ints = st.integers(min_value=-(2**80), max_value=2**80)
+    junk = st.one_of(st.text(max_size=5), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2),
+                                                                                             st.integers(), max_size=1))
+    field = st.one_of(
+        st.builds(lambda s: {"seed": s, "temperature": 0.7}, ints.filter(lambda s: not 0 <= s < 2**63)),
+        st.builds(lambda v: {"temperature": v}, st.floats(allow_nan=True).filter(lambda v: not 0 <= v <= 100)),
+        st.builds(lambda v: {"top_p": v}, st.floats(allow_nan=True).filter(lambda v: not 0 < v <= 1)),
+        st.builds(lambda v: {"min_p": v}, st.floats(allow_nan=True).filter(lambda v: not 0 <= v <= 1)),
+        st.builds(lambda v: {"top_k": v}, st.integers(max_value=-1)),
+        st.builds(lambda v: {"max_tokens": v}, st.one_of(st.integers(max_value=0), st.integers(min_value=600))),
+        st.builds(lambda v: {"n": v}, st.one_of(st.integers(max_value=0), st.integers(min_value=17))),
+        st.builds(lambda v: {"logprobs": v}, st.one_of(st.integers(max_value=-1), st.integers(min_value=6))),
+        st.builds(lambda v: {"max_time": v}, st.floats(max_value=0.0)),
+        st.builds(lambda k, v: {k: v}, st.sampled_from(["temperature", "top_p", "seed", "max_tokens", "n", "stream",
+                                                        "stop", "speculative", "logprobs"]), junk),
+        st.builds(lambda ids: {"prompt": ids}, st.lists(st.integers(min_value=2048), min_size=1, max_size=3)),
+    )
+    as_dict = field.map(lambda f: ({**base, **f}, {400}))
+    raw = st.one_of(
+        st.integers(min_value=65, max_value=3000).map(lambda d: ('{"prompt": ' + "[" * d + "]" * d + "}", {400})),
+        st.sampled_from(["\\ud800", "\\udfff", "a\\udc00b"]).map(
+            lambda s: ('{"model": "target", "prompt": "' + s + '"}', {400})),
+        st.binary(min_size=1, max_size=8).map(lambda b: (b'{"prompt": "' + b + b'\xff"}', {400})),
+        st.text(max_size=20).map(lambda t: ('{"prompt": ' + json.dumps(t)[:-1], {400})),  # truncated JSON
+        st.just(('{"model": "target", "prompt": "' + "beca " * (MAX_BODY // 4) + '"}', {413})),
+    )
+    poison = st.sampled_from([POISON_ROUND, POISON_PREFILL]).map(
+        lambda m: ({**base, "prompt": m + [9, 10], "max_tokens": 20}, {500}))
+    return st.one_of(as_dict, raw, poison)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(bads=st.lists(_bad_requests(), min_size=1, max_size=4), stream=st.booleans())
+def test_property_bad_requests_never_hurt_good_ones(server, client, bads, stream):
+    if not _SOLO:
+        _SOLO.update({i: _solo(client, kw) for i, kw in enumerate(_GOODS)})
+
+    def bad(item):
+        body, want = item
+        resp = _post(server, body)
+        assert resp.status_code in want, (body if len(str(body)) < 300 else str(body)[:300], resp.text[:300])
+        err = resp.json()["error"]
+        assert err["message"] and "\n" not in err["message"] and "Traceback" not in err["message"]
+
+    with ThreadPoolExecutor(len(_GOODS) + len(bads)) as ex:
+        fg = [ex.submit(_solo, client, kw, stream) for kw in _GOODS]
+        fb = [ex.submit(bad, b) for b in bads]
+        for f in fb:
+            f.result(timeout=60)
+        for i, f in enumerate(fg):
+            assert f.result(timeout=60) == _SOLO[i], f"good request {i} differs from its solo output"
+    _wait_idle(server)
