@@ -83,6 +83,7 @@ def test_cropped_query_window_gives_the_same_objective(target, feats):
 def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
     s1 = collect(target, prompts, tmp_path / "f", max_new=6, batch_size=2, progress=False, stop_ids=())
     assert s1["complete"] and s1["examples"] == 4 and s1["loss_tokens"] == 24
+    assert s1["speed"]["tokens_per_s"] > 0 and s1["speed"]["backend"] in ("cpu", "metal", "cuda")
     exs = load_features(tmp_path / "f")
     assert sorted(len(e) for e in exs) == sorted(len(p) + 6 for p in prompts)
     # examples of one shard are views of one array per field, not each a copy of the shard's
@@ -173,10 +174,12 @@ def test_text_features_are_a_fresh_forward_with_the_targets_own_argmax(target, t
         assert (am[:-1] != ex.tokens[1:]).any()
 
 
-def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts, tmp_path):
+def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts, tmp_path, capsys):
     from mtpflow.train.features import collect_text
 
-    s = collect_text(target, texts, tmp_path / "c", batch_size=2, progress=False)
+    s = collect_text(target, texts, tmp_path / "c", batch_size=2, progress=True)
+    err = capsys.readouterr().err
+    assert "text features [" in err and "tok/s through the target" in err, err
     assert s["complete"] and s["examples"] == 4 and s["loss_tokens"] == sum(int(e.loss.sum()) for e in texts)
     feats = load_features(tmp_path / "c")
     assert all(f.argmax is not None for f in feats)  # the argmax went through the shard

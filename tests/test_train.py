@@ -170,3 +170,17 @@ def test_offline_eval_replays_the_engine(trained, target, examples, tmp_path):
     assert drafted.tolist() == [2, 1, 1] and accepted.tolist() == [2, 1, 0] and reached.tolist() == [2, 1, 1]
     with pytest.raises(PromptError, match="mtpflow_assistant"):
         offline_evaluate(PAIR_E, FIXTURES / "pair_e" / "drafter", prompts, block_size=4, max_tokens=4)
+
+
+def test_progress_and_summary_report_tokens_per_second_and_the_device(target, examples, tmp_path, capsys):
+    import mlx.core as mx
+
+    summary = train(target, DRAFTER, "selfgen", tmp_path / "p", examples=examples, steps=3, **dict(FAST, progress=True))
+    speed = summary["train_speed"]
+    assert speed["tokens_per_s"] > 0 and speed["tokens_per_s_per_device"] == speed["tokens_per_s"]
+    assert speed["ranks"] == 1 and speed["device"] == f"{mx.default_device().type.name}:0"
+    assert speed["backend"] in ("cpu", "metal", "cuda")
+    err = capsys.readouterr().err
+    assert f"train [{speed['backend']}]" in err and "tok/s" in err
+    saved = json.loads((tmp_path / "p" / "train_summary.json").read_text())
+    assert saved["train_speed"] == speed

@@ -247,7 +247,8 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     ``batch_size`` examples of similar length); with several ``ranks``, rank
     ``r`` makes the groups ``g % size == r`` and every rank returns the totals
     of all of them once all are done."""
-    from .parallel import world
+    from .loop import _Progress
+    from .parallel import device, rate_text, throughput, world
 
     ranks = ranks or world()
     folder = Path(folder)
@@ -266,35 +267,38 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     # interleave short and long groups so a time-limited run covers every length
     rng = np.random.default_rng(0)
     groups = [groups[i] for i in rng.permutation(len(groups))]
+    mine = [g for g in range(len(groups)) if g % ranks.size == ranks.rank]
+    todo = [g for g in mine if not (folder / f"shard-{g:05d}.npz").is_file()]
+    bar = _Progress(len(mine), len(mine) - len(todo), progress and ranks.main, desc=f"{label} [{device()['backend']}]")
     t0 = time.time()
     n_tok = n_loss = n_ex = 0
     complete = True
-    who = f" (rank {ranks.rank} of {ranks.size})" if ranks.size > 1 else ""
-    for g, idx in enumerate(groups):
-        if g % ranks.size != ranks.rank:
-            continue
-        shard = folder / f"shard-{g:05d}.npz"
-        if shard.is_file():
-            continue
-        if max_time_s is not None and time.time() - t0 >= max_time_s:
-            complete = False
-            break
-        exs = make(idx)
-        _save_shard(shard, exs)
-        n_ex += len(exs)
-        n_tok += sum(len(e) for e in exs)
-        n_loss += sum(int(e.loss.sum()) for e in exs)
-        if progress and ranks.main:
-            el = time.time() - t0
-            print(f"{label} shard {g + 1}/{len(groups)}{who}: {n_loss} {unit} tokens in {el:.0f}s "
-                  f"({n_loss / max(el, 1e-9):.0f} tok/s)", file=sys.stderr, flush=True)
+    try:
+        for g in todo:
+            if max_time_s is not None and time.time() - t0 >= max_time_s:
+                complete = False
+                break
+            exs = make(groups[g])
+            _save_shard(folder / f"shard-{g:05d}.npz", exs)
+            n_ex += len(exs)
+            n_tok += sum(len(e) for e in exs)
+            n_loss += sum(int(e.loss.sum()) for e in exs)
+            el = max(time.time() - t0, 1e-9)
+            bar.update(len(mine) - len(todo) + todo.index(g) + 1,
+                       f"{n_loss} {unit} tokens, {rate_text(n_tok / el * ranks.size, ranks)} through the target")
+    finally:
+        bar.close()
+    seconds = time.time() - t0
     if ranks.size > 1:  # every rank's shards are written before anyone reads the folder
         import mlx.core as mx
 
         tot = np.array(ranks.sum(mx.array([n_ex, n_tok, n_loss, int(not complete)], mx.int32)))
         n_ex, n_tok, n_loss, complete = int(tot[0]), int(tot[1]), int(tot[2]), bool(tot[3] == 0)
-    return {"examples": n_ex, "tokens": n_tok, "loss_tokens": n_loss, "seconds": round(time.time() - t0, 1),
-            "complete": complete}
+        seconds = ranks.max(seconds)
+    speed = throughput(n_tok, seconds, ranks)
+    speed["loss_tokens_per_s"] = round(n_loss / seconds, 1) if seconds > 0 else 0.0
+    return {"examples": n_ex, "tokens": n_tok, "loss_tokens": n_loss, "seconds": round(seconds, 1),
+            "complete": complete, "speed": speed}
 
 
 def feature_batch(examples: list[FeatureExample], idx, target, model=None, unroll: int | None = None,

@@ -384,13 +384,14 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
             return trainer.batch(toks, lmask, lens), lens_np
         return trainer.batch(toks, lmask, lens, step, rows.start or 0), lens_np
 
-    step, acc_ema, tokens_seen, last, elapsed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
-                                                         trainer.config_id, n_loss,
-                                                         data_id=data_mod.fingerprint(examples), ranks=ranks)
+    step, acc_ema, tokens_seen, last, elapsed, speed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
+                                                                trainer.config_id, n_loss,
+                                                                data_id=data_mod.fingerprint(examples), ranks=ranks)
     if ranks.main:
         trainer.save(out, dtype=cfg.save_dtype)
     summary = {
-        "kind": kind, "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1), "examples": len(examples),
+        "kind": kind, "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1), "train_speed": speed,
+        "examples": len(examples),
         "loss_tokens_per_epoch": int(sum(int(e.loss.sum()) for e in examples)), "final": last, "acc_ema": acc_ema,
         "data": data_spec,
     }

@@ -54,7 +54,7 @@ from ..drafters.mtpflow_assistant.model import GenericAssistantModel
 from ..targets.base import SLIDING
 from . import data as data_mod
 from .checkpoint import CheckpointError, load_checkpoint, repair_log, save_checkpoint  # noqa: F401 (re-exported)
-from .parallel import Ranks, world
+from .parallel import Ranks, device, rate_text, throughput, world
 
 
 @dataclass
@@ -380,15 +380,18 @@ def resolve_drafter_config(target, drafter_config) -> dict:
 
 
 class _Progress:
-    def __init__(self, total: int, initial: int, enabled: bool):
+    """A tqdm bar on stderr (a plain line per update without tqdm)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str = "train"):
         self.bar = None
         self.enabled = enabled
+        self.desc = desc
         self.total, self.t0, self.start = total, time.time(), initial
         if enabled:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, initial=initial, file=sys.stderr, dynamic_ncols=True, desc="train")
+                self.bar = tqdm(total=total, initial=initial, file=sys.stderr, dynamic_ncols=True, desc=desc)
             except ImportError:
                 self.bar = None
 
@@ -403,7 +406,7 @@ class _Progress:
             el = time.time() - self.t0
             done = step - self.start
             eta = el / done * (self.total - step) if done else float("nan")
-            print(f"step {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
+            print(f"{self.desc} {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -466,8 +469,9 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
 
     grad_fn = nn.value_and_grad(model, objective)
     log_f = open(log_path, "a") if ranks.main else None
-    bar = _Progress(cfg.steps, step, cfg.progress and ranks.main)
+    bar = _Progress(cfg.steps, step, cfg.progress and ranks.main, desc=f"train [{device()['backend']}]")
     t0 = time.time()
+    tokens_start = tokens_seen
     last = {}
     try:
         while step < cfg.steps:
@@ -502,7 +506,9 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             log_f.write(json.dumps(last) + "\n")
             if step % cfg.log_every == 0 or step == cfg.steps:
                 log_f.flush()
-            bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema))
+            tps = (tokens_seen - tokens_start) / max(time.time() - t0, 1e-9)
+            bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema)
+                       + " " + rate_text(tps, ranks))
             if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
                 log_f.flush()  # the log holds every step of the checkpoint before it is written
                 os.fsync(log_f.fileno())
@@ -516,7 +522,8 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
         bar.close()
         if log_f is not None:
             log_f.close()
-    return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0
+    speed = throughput(tokens_seen - tokens_start, time.time() - t0, ranks)
+    return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0, speed
 
 
 # ------------------------------------------------------------------------------ train
@@ -627,10 +634,10 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
         return (target_pass(target, toks, model), toks, lmask, lens), lens_np
 
-    step, acc_ema, tokens_seen, last, elapsed = optimize(model, loss_fn, make_batch, cfg, out, dcfg, cfg.unroll,
-                                                         data_id=data_mod.fingerprint(examples), ranks=ranks)
+    step, acc_ema, tokens_seen, last, elapsed, speed = optimize(model, loss_fn, make_batch, cfg, out, dcfg, cfg.unroll,
+                                                                data_id=data_mod.fingerprint(examples), ranks=ranks)
     summary = {
-        "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1),
+        "steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(elapsed, 1), "train_speed": speed,
         "examples": len(examples), "loss_tokens_per_epoch": int(sum(n_tokens_ex)),
         "final": last, "acc_ema": acc_ema, "train_config": asdict(cfg), "data": data_spec,
     }

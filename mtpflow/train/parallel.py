@@ -72,6 +72,14 @@ class Ranks:
 
         return x if self.size == 1 else mx.distributed.all_sum(x, group=self.group)
 
+    def max(self, x: float) -> float:
+        """The largest ``x`` over the ranks."""
+        import mlx.core as mx
+
+        if self.size == 1:
+            return x
+        return float(mx.distributed.all_max(mx.array([x], mx.float32), group=self.group).item())
+
     def barrier(self) -> None:
         import mlx.core as mx
 
@@ -127,6 +135,41 @@ class Ranks:
         if self.any(digest != ref):
             mine = "differs from" if digest != ref else "is rank 0's, but another rank's differs from"
             raise ValueError(f"rank {self.rank} of {self.size}: {what} {mine} rank 0's; {fix}")
+
+
+def device() -> dict:
+    """Where this process computes: ``{"device": "gpu:0", "backend": "metal" |
+    "cuda" | "cpu", "name": ...}`` (MLX's default device; the same code runs
+    on each)."""
+    import mlx.core as mx
+
+    d = mx.default_device()
+    kind = "gpu" if d.type == mx.DeviceType.gpu else "cpu"
+    backend = "cpu"
+    if kind == "gpu":
+        backend = "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "gpu"
+    try:
+        name = str(mx.device_info().get("device_name", ""))
+    except Exception:  # (older MLX, or a backend without device information)
+        name = ""
+    index = getattr(d, "index", None)
+    if index is None:  # (the Python binding exposes the index only in the repr: "Device(gpu, 0)")
+        index = str(d).rstrip(")").rpartition(",")[2].strip() or 0
+    return {"device": f"{kind}:{index}", "backend": backend, "name": name}
+
+
+def throughput(tokens: int, seconds: float, ranks: "Ranks") -> dict:
+    """Tokens per second over every rank and per device, with the device."""
+    tps = tokens / seconds if seconds > 0 else 0.0
+    return {"tokens_per_s": round(tps, 1), "tokens_per_s_per_device": round(tps / ranks.size, 1),
+            "ranks": ranks.size, **device()}
+
+
+def rate_text(tps: float, ranks: "Ranks") -> str:
+    """``"812 tok/s"`` or, with several ranks, ``"1624 tok/s (812/device x2)"``."""
+    if ranks.size == 1:
+        return f"{tps:.0f} tok/s"
+    return f"{tps:.0f} tok/s ({tps / ranks.size:.0f}/device x{ranks.size})"
 
 
 def world() -> Ranks:
