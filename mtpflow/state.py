@@ -57,6 +57,9 @@ class Request:
     sampling: SamplingParams = field(factory=SamplingParams)
     stop_ids: frozenset[int] = field(factory=frozenset)
     speculative: bool = True
+    #: images / audio of a multimodal prompt, as the target adapter takes them
+    #: (``None``: text only); its prompt holds their placeholder tokens
+    media: Any = field(default=None, eq=False, repr=lambda m: "None" if m is None else f"<{type(m).__name__}>")
 
 
 @frozen(kw_only=True)

@@ -38,12 +38,19 @@ def mtpflow_prefill(session, requests):
     target = session.target
     # identical prompts (n samples of one prompt) are prefilled once
     unique: dict[tuple, int] = {}
-    index = [unique.setdefault(tuple(r.prompt), len(unique)) for r in requests]
-    prompts = [list(p) for p in unique]
+    index = [unique.setdefault((tuple(r.prompt), id(r.media) if r.media is not None else None), len(unique)) for r in requests]
+    prompts = [list(p) for p, _ in unique]
+    media = None
+    if any(r.media is not None for r in requests):  # a multimodal prompt: the adapter builds its embeddings
+        first = {}
+        for r, i in zip(requests, index):
+            first.setdefault(i, r.media)
+        media = [first[i] for i in range(len(prompts))]
     layers = session.tap_layers
+    kw = {"media": media} if media is not None else {}
     out = target.prefill(
         prompts, extra=session.max_block_size + 8, step=session.config.batch.prefill_step_size, pad_id=PAD_ID,
-        taps=layers,
+        taps=layers, **kw,
     )
     cache, last_hidden = out[0], out[1]
     taps = out[2] if layers else {}

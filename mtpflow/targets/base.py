@@ -273,14 +273,18 @@ class TargetAdapter:
             for a, rope in saved:
                 a.rope = rope
 
-    def prefill(self, seqs: list[list[int]], extra: int = 16, step: int = 512, pad_id: int = 0, taps=()):
+    def prefill(self, seqs: list[list[int]], extra: int = 16, step: int = 512, pad_id: int = 0, taps=(), media=None):
         """A fresh cache holding ``seqs`` (left padded: padding has negative
         positions), filled ``step`` tokens at a time (the cache is compacted
         between chunks, so a long prompt never holds more than one chunk of
         sliding-window slack).  Returns ``(cache, last_hidden [B, D])``, the
         post-norm hidden state at every row's last token -- and, with
         ``taps`` (layer ids), a third item: ``{l: [B, L, D]}`` over every
-        (padded) prompt position, see :meth:`forward_with_taps`."""
+        (padded) prompt position, see :meth:`forward_with_taps`.  ``media``:
+        per prompt, its images / audio (``None``: text); a text-only target
+        refuses them, a multimodal adapter overrides this method."""
+        if media is not None and any(m is not None for m in media):
+            raise TargetError(f"{self.path}: this target takes text only (no vision or audio tower); drop the images / audio")
         lens = [len(p) for p in seqs]
         if min(lens) < 1:
             raise ValueError("every prompt needs at least one token")
