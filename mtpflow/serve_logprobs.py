@@ -9,10 +9,11 @@ listed).  A greedy request (temperature 0) reports the same distribution at
 temperature 1 without the filters (its one-hot choice would say nothing).
 
 With speculation the logits of an emitted position are the verify forward's
-logits at that position -- the target's own logits for that context -- so
-the numbers equal those of ``speculative: false`` up to float rounding of the
-batched forward, and a recovered or bonus token gets the target's
-probability, not the residual distribution it was drawn from.
+logits at that position (for a draft tree: at the accepted node's parent) --
+the target's own logits for that context -- so the numbers equal those of
+``speculative: false`` up to float rounding of the batched forward, and a
+recovered or bonus token gets the target's probability, not the residual
+distribution it was drawn from.
 
 :class:`LogprobRecorder` is a plugin of the server's session: hook wrappers
 around ``mtpflow_prefill`` (the first token) and ``mtpflow_accept`` (the
@@ -144,8 +145,17 @@ class LogprobRecorder:
             return acc
         import mlx.core as mx
 
-        drafts = draft.tokens.astype(mx.int32) if draft.n_draft > 0 else None
-        lp = processed_logprobs(session, state.rows, verify.logits, drafts=drafts)
+        logits = verify.logits
+        if getattr(acc, "path", None) is not None:
+            # a tree: emitted token j is predicted at the accepted node of depth j (the root for j = 0)
+            B, N = logits.shape[0], logits.shape[1]
+            at = mx.concatenate([mx.zeros((B, 1), dtype=mx.int32), mx.clip(acc.path.astype(mx.int32), 0, N - 1)],
+                                axis=1)
+            logits = mx.take_along_axis(logits, at[:, :, None], axis=1)
+            drafts = None  # trees run only where processing does not read the drafts
+        else:
+            drafts = draft.tokens.astype(mx.int32) if draft.n_draft > 0 else None
+        lp = processed_logprobs(session, state.rows, logits, drafts=drafts)
         arrays = _gather(lp, acc.tokens, top)
         mx.async_eval(*[a for a in arrays if a is not None])  # computed by the round's own sync
         self._pending = ([r.request.id for r in state.rows], arrays)
@@ -173,16 +183,37 @@ class LogprobRecorder:
 # OpenAI shapes
 # --------------------------------------------------------------------------------------
 class TokenText:
-    """Token strings and byte values for the response (cached per id)."""
+    """A token's text as it reads inside a text (cached per id).
+
+    A token is decoded after an anchor token and the anchor's text is cut
+    off: SentencePiece-style decoders drop a token's leading space at the
+    start of a decode, which would glue the tokens of ``"a b"`` into
+    ``"ab"``.  (A token that is part of a multi-byte character shows as
+    U+FFFD; ``bytes`` are those of that text.)
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
+        self.anchor: list[int] = []
+        self.anchor_text = ""
+        if tokenizer is not None:
+            try:
+                ids = list(tokenizer.encode("a", add_special_tokens=False))[-1:]
+                text = tokenizer.decode(ids)
+                if text:
+                    self.anchor, self.anchor_text = ids, text
+            except Exception:  # no anchor: plain decoding
+                pass
 
     def __call__(self, tid: int) -> str:
         s = self.cache.get(tid)
         if s is None:
-            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
+            if self.tokenizer is None:
+                s = str(tid)
+            else:
+                s = self.tokenizer.decode(self.anchor + [tid])
+                s = s[len(self.anchor_text):] if s.startswith(self.anchor_text) else self.tokenizer.decode([tid])
             self.cache[tid] = s
         return s
 

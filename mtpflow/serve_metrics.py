@@ -65,7 +65,7 @@ class Counter(_Metric):
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.values: dict[tuple, float] = {}
+        self.values: dict[tuple, float] = {} if self.labelnames else {(): 0.0}  # as prometheus_client
 
     def inc(self, amount: float = 1.0, **labels) -> None:
         if amount < 0:
@@ -91,7 +91,7 @@ class Gauge(_Metric):
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.values: dict[tuple, float] = {}
+        self.values: dict[tuple, float] = {} if self.labelnames else {(): 0.0}
 
     def set(self, value: float, **labels) -> None:
         key = self._key(labels)
@@ -112,6 +112,8 @@ class Histogram(_Metric):
         super().__init__(registry, name, doc, labelnames)
         self.buckets = tuple(sorted(buckets))
         self.values: dict[tuple, list] = {}  # key -> [bucket counts..., sum, count]
+        if not self.labelnames:
+            self.values[()] = [0] * len(self.buckets) + [0.0, 0]
 
     def observe(self, value: float, **labels) -> None:
         key = self._key(labels)
@@ -199,6 +201,15 @@ class ServerMetrics:
                                 "Time from arrival to the first token.", TTFT_BUCKETS)
         self.e2e = r.histogram("vllm:e2e_request_latency_seconds",
                                "Time from arrival to the last token.", LATENCY_BUCKETS)
+
+    def declare(self, max_drafts: int) -> None:
+        """Show the labelled series at 0 before anything happened (as vLLM pre-creates its positions)."""
+        for pos in range(max_drafts):
+            self.accepted_per_pos.inc(0, position=pos)
+        for reason in ("stop", "length"):
+            self.success.inc(0, finished_reason=reason)
+        for outcome in ("ok", "timeout", "cancelled", "error"):
+            self.outcomes.inc(0, outcome=outcome)
 
     def observe_round(self, record, speculative_rows: list[bool]) -> None:
         """One round's spec-decode counters (``speculative_rows``: per row of ``record``)."""

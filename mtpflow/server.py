@@ -411,6 +411,8 @@ class Scheduler:
                 self.tokenizer = self.session.tokenizer
                 self.max_token_chars = _max_token_chars(self.tokenizer)
                 self.eos_ids = frozenset(self.session.target.eos_ids)
+                if self.metrics is not None:
+                    self.metrics.declare(max(self.session.max_block_size - 1, 0))
                 self._publish()
             except BaseException as exc:  # reported by start()
                 self._load_error = exc

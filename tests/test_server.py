@@ -7,6 +7,7 @@ thread; every loop is bounded by a timeout.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -38,7 +39,7 @@ MAX_BODY = 1 << 20
 
 class Faults:
     """Test plugin: prompts starting with POISON_* make the prefill / the round
-    raise; SLOW rows make every round take 20 ms longer."""
+    raise; SLOW rows make every round take 50 ms longer."""
 
     def __init__(self):
         self.raised_with: list[tuple[str, int]] = []  # (where, rows in the batch) of every raise
@@ -62,7 +63,7 @@ class Faults:
             self.raised_with.append(("round", len(reqs)))
             raise RuntimeError("poisoned round")
         if self.marked(reqs, SLOW):
-            time.sleep(0.02)
+            time.sleep(0.05)
         return acc
 
 
@@ -544,3 +545,301 @@ def test_property_bad_requests_never_hurt_good_ones(server, client, bads, stream
         for i, f in enumerate(fg):
             assert f.result(timeout=60) == _SOLO[i], f"good request {i} differs from its solo output"
     _wait_idle(server)
+
+
+# --------------------------------------------------------------------------------------
+# cancellation, deadlines, backpressure
+# --------------------------------------------------------------------------------------
+def _slow(i: int = 0, max_tokens: int = 400, **kw) -> dict:
+    return {"model": MODEL, "prompt": SLOW + [5 + i], "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def test_non_streaming_request_cancelled_when_client_goes(server):
+    before = _stats(server)["cancelled_total"]
+    t0 = time.monotonic()
+    with pytest.raises(httpx.TimeoutException):  # the client gives up after 1 s of a ~10 s request
+        httpx.post(server["base"] + "/v1/completions", json=_slow(), timeout=1.0)
+    while _stats(server)["cancelled_total"] == before:
+        assert time.monotonic() - t0 < 2.5, "the row kept decoding after its client left"
+        time.sleep(0.05)
+    st = _wait_idle(server, timeout=2)
+    assert st["open_requests"] == 0
+    cancelled = [c.kwargs for c in server["logs"].calls if c.kwargs.get("event") == "request.cancelled"]
+    assert cancelled and cancelled[-1]["completion_tokens"] < 400
+
+
+def test_deadline_ends_a_row_with_length_and_timeout_detail(server, client):
+    t0 = time.monotonic()
+    r = client.completions.create(**_slow(), extra_body={"max_time": 0.6})
+    assert time.monotonic() - t0 < 2.0
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.model_extra["finish_detail"] == "timeout"
+    assert 0 < r.usage.completion_tokens < 400 and c.text
+    done = [x.kwargs for x in server["logs"].calls if x.kwargs.get("request_id") == r.id]
+    assert [d["event"] for d in done] == ["request.done"] and done[0]["finish_detail"] == "timeout"
+    # streams too; an ordinary request has no finish_detail
+    with httpx.stream("POST", server["base"] + "/v1/completions", timeout=30,
+                      json={**_slow(1), "stream": True, "max_time": 0.4}) as resp:
+        chunks = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: {")]
+    final = chunks[-1]["choices"][0]
+    assert final["finish_reason"] == "length" and final["finish_detail"] == "timeout"
+    assert 0 < chunks[-1]["usage"]["completion_tokens"] < 400
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0).choices[0]
+    assert "finish_detail" not in (plain.model_extra or {})
+
+
+def test_queue_bound_answers_503_with_retry_after(server):
+    sched = server["sched"]
+    old = sched.max_queued
+    base = server["base"]
+    q0 = httpx.get(base + "/metrics", timeout=10).text
+    try:
+        with ThreadPoolExecutor(10) as ex:
+            running = [ex.submit(httpx.post, base + "/v1/completions", json=_slow(i, 40), timeout=60) for i in range(8)]
+            deadline = time.monotonic() + 10
+            while _stats(server)["active_rows"] < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            sched.max_queued = 2  # the batch is full: two may wait, the third is refused
+            queued = [ex.submit(httpx.post, base + "/v1/completions", json=_slow(8 + i, 5), timeout=60) for i in range(2)]
+            while _stats(server)["queued"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            refused = httpx.post(base + "/v1/completions", json=_slow(11, 5), timeout=10)
+            err = _error(refused, 503)
+            assert err["code"] == "queue_full" and int(refused.headers["Retry-After"]) >= 1
+            # a deadline holds in the queue too: the request ends empty, cut by its time limit
+            sched.max_queued = 3
+            late = httpx.post(base + "/v1/completions", json=_slow(12, 5, max_time=0.2), timeout=10).json()
+            assert late["choices"][0]["finish_detail"] == "timeout" and late["choices"][0]["text"] == ""
+            assert late["usage"]["completion_tokens"] == 0
+            results = [f.result(timeout=60) for f in running + queued]
+    finally:
+        sched.max_queued = old
+    assert [r.status_code for r in results] == [200] * 10
+    waited = [r.json()["usage"]["queue_time_s"] for r in results[8:]]
+    assert min(waited) > 0.1, waited  # they waited for a row to leave the batch
+    assert all(r.json()["usage"]["queue_time_s"] < min(waited) for r in results[:8])
+    q1 = httpx.get(base + "/metrics", timeout=10).text
+    assert _metric(q1, "vllm:request_queue_time_seconds_count") >= _metric(q0, "vllm:request_queue_time_seconds_count") + 10
+    assert _metric(q1, 'mtpflow:requests_rejected_total{model_name="target",status="503"}') >= 1
+
+
+def test_tokenization_does_not_block_the_event_loop(server, client, monkeypatch):
+    tok = server["sched"].tokenizer._tokenizer
+    encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if "slowtokenize" in text:
+            time.sleep(1.5)
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+    with ThreadPoolExecutor(2) as ex:
+        f = ex.submit(client.completions.create, model=MODEL, prompt="beca slowtokenize", max_tokens=3)
+        time.sleep(0.2)
+        gaps = []
+        for _ in range(5):  # /health answers at once while the tokenizer works
+            t = time.monotonic()
+            assert httpx.get(server["base"] + "/health", timeout=5).status_code == 200
+            gaps.append(time.monotonic() - t)
+        assert not f.done() and max(gaps) < 0.3, gaps
+        assert f.result(timeout=30).usage.completion_tokens == 3
+    # a body near the size limit does not stall it either
+    big = json.dumps({"model": MODEL, "prompt": "beca " * (MAX_BODY // 6)})
+    with ThreadPoolExecutor(1) as ex:
+        f = ex.submit(_post, server, big)
+        t = time.monotonic()
+        assert httpx.get(server["base"] + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - t < 0.3
+        assert f.result(timeout=30).status_code == 400
+
+
+# --------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------
+def _metric(text: str, name: str) -> float:
+    """Sum of the samples of ``name`` (a full sample name, labels optional) in Prometheus text."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        key, val = line.rsplit(" ", 1)
+        if key == name or (key.split("{")[0] == name and "{" not in name):
+            total, found = total + float(val), True
+    assert found, f"{name} not in /metrics"
+    return total
+
+
+def test_metrics_prometheus(server, client):
+    base = server["base"]
+    _wait_idle(server)
+    m0 = httpx.get(base + "/metrics", timeout=10)
+    assert m0.headers["content-type"].startswith("text/plain; version=0.0.4")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    u = r.usage.model_extra
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "vllm:request_queue_time_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:time_to_first_token_seconds", "vllm:request_success_total", "vllm:num_requests_running"):
+        assert f"# TYPE {name} " in text, name
+
+    def delta(name):
+        return _metric(text, name) - _metric(m0.text, name)
+
+    # the request was alone: the counters moved by exactly its usage
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == u["draft_tokens"] > 0
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == u["accepted_tokens"]
+    # a round drafts unless the budget left has no room (the last round of a max_tokens row)
+    assert u["rounds"] - 1 <= delta("vllm:spec_decode_num_drafts_total") <= u["rounds"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total") == u["accepted_tokens"]
+    first = _metric(text, 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="target",position="0"}')
+    second = _metric(text, 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="target",position="1"}')
+    assert first >= second  # a draft is accepted only after the ones before it
+    assert delta('vllm:request_success_total{model_name="target",finished_reason="length"}') + \
+        delta('vllm:request_success_total{model_name="target",finished_reason="stop"}') == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:generation_tokens_total") == r.usage.completion_tokens
+    assert 'vllm:e2e_request_latency_seconds_bucket{model_name="target",le="+Inf"}' in text
+    # 1 + accepted / drafts is the mean acceptance length, as vLLM
+    assert 1 + delta("vllm:spec_decode_num_accepted_tokens_total") / delta("vllm:spec_decode_num_drafts_total") > 1
+
+
+# --------------------------------------------------------------------------------------
+# logprobs and n
+# --------------------------------------------------------------------------------------
+def _target_logprobs(server, ids: list[int], out: list[int]) -> list[float]:
+    """log softmax of the target's own logits at each generated token (one forward, no speculation)."""
+
+    def ref(s):
+        import mlx.core as mx
+
+        cache = s.target.make_cache()
+        s.target.set_offsets(cache, mx.array([0], dtype=mx.int32))
+        h = s.target.forward(mx.array([ids + out], dtype=mx.int32), cache)
+        lg = s.target.logits(h)[0, len(ids) - 1: len(ids) - 1 + len(out)].astype(mx.float32)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        return mx.take_along_axis(lp, mx.array(out)[:, None], axis=1)[:, 0].tolist()
+
+    return server["sched"].call(ref)
+
+
+def test_completion_logprobs(server, client):
+    sched = server["sched"]
+    ids = sched.call(lambda s: list(s.tokenizer.encode(PROMPT)))
+    kw = dict(model=MODEL, prompt=ids, max_tokens=20, temperature=0, logprobs=3)
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    # the tokens read as the text (a decode drops the first token's leading space)
+    assert "".join(lp.tokens).lstrip() == r.choices[0].text.lstrip() and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and val <= 0 and max(top.values()) == pytest.approx(val)  # greedy: the top token
+    out = sched.call(lambda s: list(s.tokenizer.encode(r.choices[0].text)))
+    # the target's own distribution, and the same without speculation
+    ref = _target_logprobs(server, ids, out)
+    assert lp.token_logprobs == pytest.approx(ref, abs=2e-4)
+    plain = client.completions.create(**kw, extra_body={"speculative": False})
+    assert plain.usage.model_extra["draft_tokens"] == 0 and r.usage.model_extra["accepted_tokens"] > 0
+    p2 = plain.choices[0].logprobs
+    assert p2.tokens == lp.tokens and p2.token_logprobs == pytest.approx(lp.token_logprobs, abs=2e-4)
+    assert [sorted(t) for t in p2.top_logprobs] == [sorted(t) for t in lp.top_logprobs]
+    # streamed: the chunks' logprobs add up to the same
+    toks, vals = [], []
+    for ch in client.completions.create(**kw, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            toks += ch.choices[0].logprobs.tokens
+            vals += ch.choices[0].logprobs.token_logprobs
+    assert toks == lp.tokens and vals == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # no logprobs asked: none given
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=3).choices[0].logprobs is None
+
+
+def test_logprobs_of_sampled_rows_follow_their_filters(server, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=3, logprobs=5,
+                                  extra_body={"top_k": 2})
+    lp = r.choices[0].logprobs
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2  # top-k removed the rest: probability 0, not listed
+        assert any(abs(val - v) < 1e-6 for v in top.values())  # the sampled token is one of them
+        assert sum(math.exp(v) for v in top.values()) == pytest.approx(1.0, abs=1e-4)  # renormalised over 2
+
+
+def test_chat_logprobs_shape(server, client):
+    msgs = [{"role": "user", "content": "beca daka"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content).lstrip() == r.choices[0].message.content.lstrip()
+    for c in content:
+        assert c.logprob <= 0 and bytes(c.bytes).decode() == c.token and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+    parts = []
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True,
+                                             top_logprobs=2, stream=True):
+        if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+            parts += ch.choices[0].logprobs.content
+    assert [(c.token, round(c.logprob, 5)) for c in parts] == [(c.token, round(c.logprob, 5)) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+
+
+def test_n_choices_prefilled_once(server, client):
+    base = server["base"]
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    _wait_idle(server)
+    before = _metric(httpx.get(base + "/metrics", timeout=10).text, "mtpflow:prefill_tokens_total")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, n=3)
+    after = _metric(httpx.get(base + "/metrics", timeout=10).text, "mtpflow:prefill_tokens_total")
+    assert after - before == one.usage.prompt_tokens  # three rows, one prefill
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.text == one.choices[0].text for c in r.choices)  # greedy: all the same
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    # seeded: choice i is the request with seed + i
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9)
+    two = client.completions.create(n=2, seed=40, **kw)
+    assert [c.text for c in two.choices] == [client.completions.create(seed=s, **kw).choices[0].text for s in (40, 41)]
+    # streamed: chunks of both choices, each adding up to its text
+    got = {0: "", 1: ""}
+    finish = {}
+    for ch in client.completions.create(n=2, seed=40, stream=True, **kw):
+        for c in ch.choices:
+            got[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [got[0], got[1]] == [c.text for c in two.choices] and set(finish) == {0, 1}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "beca"}], n=2,
+                                          max_tokens=5, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_logprobs_with_draft_trees_equal_target_only():
+    """The recorder at engine level, on a session that verifies draft trees."""
+    from conftest import RoundLog, quiet_log
+
+    from mtpflow.config import load_config
+    from mtpflow.engine import generate_stream, load_session, make_request
+    from mtpflow.serve_logprobs import LogprobRecorder
+
+    rec, rounds = LogprobRecorder(), RoundLog()
+    cfg = load_config(overrides={"model": {"model": str(PAIR / "target"), "draft_model": str(PAIR / "drafter")},
+                                 "draft": {"block_size": 4, "tree": "2,2,1"}})
+    s = load_session(cfg, extra_plugins=[rec, rounds], log=quiet_log())
+    ids = list(s.tokenizer.encode(PROMPT))
+    out = {}
+    for rid, spec in (("tree", True), ("plain", False)):
+        rec.wanted[rid] = 2
+        toks = []
+        for ev in generate_stream(s, [make_request(s, ids, 24, request_id=rid, speculative=spec)]):
+            toks += ev.tokens
+        out[rid] = (toks, rec.take(rid, len(toks)))
+    assert any(r.tree for r in rounds.records), "no round verified a tree"
+    (t1, e1), (t2, e2) = out["tree"], out["plain"]
+    assert t1 == t2 and None not in e1
+    assert [e[0] for e in e1] == pytest.approx([e[0] for e in e2], abs=2e-4)
+    assert [[i for i, _ in e[1]] for e in e1] == [[i for i, _ in e[1]] for e in e2]
