@@ -36,9 +36,10 @@ step alone); the other rows continue and complete.  That request gets a 500
 Backpressure, cancellation, deadlines
 -------------------------------------
 * At most ``max_queued`` rows (``--max-queued``, default
-  ``DEFAULT_MAX_QUEUED``) wait for a place in the batch; past that a request
-  is answered **503** with ``Retry-After`` (seconds, from the recent rate of
-  finished requests).  The time a request waited is ``usage.queue_time_s``
+  ``DEFAULT_MAX_QUEUED``) wait for a place in the batch, beyond the rows it
+  has free; past that a request is answered **503** with ``Retry-After``
+  (seconds, from the recent rate of finished requests; the official
+  ``openai`` client retries by itself).  The time a request waited is ``usage.queue_time_s``
   and the histogram ``vllm:request_queue_time_seconds``.
 * A client that disconnects -- streaming or not -- cancels its rows at the
   next round.
@@ -96,6 +97,10 @@ refused before decoding, ``request.rejected`` (status, code, param).  The
 engine's round events are DEBUG records of ``mtpflow.rounds``
 (``mtpflow serve --log-level debug``).  The library never calls
 ``structlog.configure()``.
+
+Load tests: ``python -m mtpflow.loadtest`` (:mod:`mtpflow.loadtest`; with
+``--faults`` it loads :mod:`mtpflow.serve_faults`, whose requests fail while
+decoding, next to the good ones).
 
 Nothing here imports mlx or starlette at module level.
 """
@@ -279,7 +284,8 @@ class Scheduler:
     ready :class:`~mtpflow.engine.Session` (MLX arrays are bound to the thread
     that created them, so such a session only works when that is safe).
     ``plugins``: extra plugin objects for the session.  ``max_queued``: rows
-    that may wait for a place in the batch (then :meth:`submit` raises a 503).
+    that may wait for a place in the batch beyond its free rows (then
+    :meth:`submit` raises a 503).
     """
 
     def __init__(self, source: Any, *, log=None, max_batch_size: int | None = None,
@@ -306,6 +312,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._main, name="mtpflow-scheduler", daemon=True)
         self._finished_at: deque = deque()
         self.retry_after = 1
+        self.max_rows = 0  # the batch's size limit, once loaded
         self.counters = {"requests_total": 0, "finished_total": 0, "cancelled_total": 0, "errors_total": 0,
                          "timeouts_total": 0}
         self.snapshot: dict = {"active_rows": 0, "waiting": 0, "open_requests": 0, "queued": 0}
@@ -344,8 +351,13 @@ class Scheduler:
             self._cmds.append(cmd)
             self._cond.notify()
 
+    def _capacity(self) -> int:
+        """Rows that may be submitted and not yet in the batch: the queue bound plus the batch's free rows."""
+        free = max(0, self.max_rows - self.snapshot.get("active_rows", 0))
+        return self.max_queued + free
+
     def queue_full(self, n: int = 1) -> bool:
-        return self._queued + n > self.max_queued
+        return self._queued + n > self._capacity()
 
     def _queue_full_error(self) -> APIError:
         return APIError(f"the server is busy: {self._queued} requests are waiting (--max-queued {self.max_queued}); "
@@ -358,7 +370,7 @@ class Scheduler:
         with self._cond:
             if self._stop:
                 raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
-            if self._queued + n > self.max_queued:
+            if self._queued + n > self._capacity():
                 raise self._queue_full_error()
             self._queued += n
             self._cmds.append(("submit", sub))
@@ -407,6 +419,7 @@ class Scheduler:
                 self.session = self._load()
                 self.batcher = IsolatingBatcher(self.session)
                 self.config = self.session.config
+                self.max_rows = int(self.config.batch.max_batch_size)
                 self.vocab_size = int(self.session.target.vocab_size)
                 self.tokenizer = self.session.tokenizer
                 self.max_token_chars = _max_token_chars(self.tokenizer)

@@ -22,7 +22,6 @@ httpx = pytest.importorskip("httpx")
 
 from conftest import FIXTURES  # noqa: E402
 
-from mtpflow import hookimpl  # noqa: E402
 
 PAIR = FIXTURES / "pair_e"
 MODEL = "target"  # the served name: the target folder's basename
@@ -30,41 +29,12 @@ PROMPT = "beca daka doli bugi base dana gane bate dozi behe"
 WORDS = "beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa".split()
 
 
-# prompts (token ids) that the test plugin below acts on; no text prompt starts with them
-POISON_PREFILL = [2047, 2046, 2047]
-POISON_ROUND = [2046, 2047, 2046]
-SLOW = [2045, 2045, 2045]
+# prompts (token ids) that the fault-injecting plugin acts on; no text prompt starts with them
+from mtpflow.serve_faults import FAULT_PREFILL as POISON_PREFILL  # noqa: E402
+from mtpflow.serve_faults import FAULT_ROUND as POISON_ROUND  # noqa: E402
+from mtpflow.serve_faults import SLOW, Faults  # noqa: E402
+
 MAX_BODY = 1 << 20
-
-
-class Faults:
-    """Test plugin: prompts starting with POISON_* make the prefill / the round
-    raise; SLOW rows make every round take 50 ms longer."""
-
-    def __init__(self):
-        self.raised_with: list[tuple[str, int]] = []  # (where, rows in the batch) of every raise
-
-    @staticmethod
-    def marked(requests, mark) -> bool:
-        return any(list(r.prompt[:3]) == mark for r in requests)
-
-    @hookimpl(wrapper=True)
-    def mtpflow_prefill(self, session, requests):
-        if self.marked(requests, POISON_PREFILL):
-            self.raised_with.append(("prefill", len(requests)))
-            raise RuntimeError("poisoned prefill")
-        return (yield)
-
-    @hookimpl(wrapper=True)
-    def mtpflow_accept(self, session, state, draft, verify):
-        acc = yield
-        reqs = [r.request for r in state.rows]
-        if self.marked(reqs, POISON_ROUND):
-            self.raised_with.append(("round", len(reqs)))
-            raise RuntimeError("poisoned round")
-        if self.marked(reqs, SLOW):
-            time.sleep(0.05)
-        return acc
 
 
 @pytest.fixture(scope="session")
@@ -470,16 +440,16 @@ def test_a_failing_row_ends_alone(server, client):
         errs = [f.result(timeout=60) for f in fb]
     for i, g in enumerate(got):
         assert g == alone[i], f"good request {i} changed by a failing neighbour"
-    assert isinstance(errs[0], openai.InternalServerError) and "poisoned round" in errs[0].message
-    assert isinstance(errs[1], openai.InternalServerError) and "poisoned prefill" in errs[1].message
-    assert isinstance(errs[2], openai.APIError) and "poisoned round" in str(errs[2])  # an error event in the stream
+    assert isinstance(errs[0], openai.InternalServerError) and "fault in the round" in errs[0].message
+    assert isinstance(errs[1], openai.InternalServerError) and "fault in the prefill" in errs[1].message
+    assert isinstance(errs[2], openai.APIError) and "fault in the round" in str(errs[2])  # an error event in the stream
     assert server["sched"].batcher.recoveries > rec0
     # the failures happened inside batches of good rows (then again in the failing row's probe, alone)
     raised = server["faults"].raised_with
     assert max(n for w, n in raised if w == "round") > 1 and ("round", 1) in raised, raised
     _wait_idle(server)
     failed = [c.kwargs for c in server["logs"].calls if c.kwargs.get("event") == "request.failed"]
-    assert any("poisoned round" in f["error"] for f in failed)
+    assert any("fault in the round" in f["error"] for f in failed)
 
 
 # a property test: random bad requests thrown into a live batch of good ones

@@ -1,0 +1,480 @@
+"""A bounded load test of ``mtpflow serve`` on 127.0.0.1 (``python -m mtpflow.loadtest``).
+
+It starts the server in a child process (or uses ``--url``), builds a pool
+of greedy requests (completions and chat, some streamed), records each one's
+**solo** output by sending it alone, then runs ``--clients`` concurrent
+clients for ``--duration`` seconds, each sending a random good request --
+or, with probability ``--bad-fraction``, a random bad one (a seed out of
+range, NaN, a deep or broken JSON body, a lone surrogate, bytes that are not
+UTF-8, an out-of-vocabulary token, a body over the size limit, ...; with
+``--faults`` also requests that pass validation and make their prefill or
+round raise).  Every good request must return its solo output exactly; every
+bad one must get its 4xx (a failing one its 500) with an OpenAI-style error
+body.  It reports latency percentiles,
+throughput, the server's resident memory (after the first seconds of load,
+peak, at the end and after the server went idle) and the spec-decode counters of
+``/metrics``; the exit status is 1 if any request misbehaved.
+
+    python -m mtpflow.loadtest --model tests/fixtures/hf_gemma4/pair_e/target \\
+        --draft-model tests/fixtures/hf_gemma4/pair_e/drafter --clients 64 --duration 60 --bad-fraction 0.1
+
+Only the standard library is used on the client side (``http.client``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+WORDS = ("beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa "
+         "biro deli cecu dude dewe duza fini data dawi feru dezo camu femu finu coha").split()
+
+
+# --------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------
+class Client:
+    """One keep-alive connection (one per client thread)."""
+
+    def __init__(self, base: str, timeout: float = 120.0):
+        u = urlparse(base)
+        self.host, self.port, self.timeout = u.hostname, u.port, timeout
+        self.conn = None
+
+    def _connect(self):
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self.conn
+
+    def request(self, method: str, path: str, body: bytes | None = None, stream: bool = False):
+        """``(status, headers, body bytes or SSE data lines)``; a broken connection is retried once."""
+        for attempt in (0, 1):
+            conn = self._connect()
+            try:
+                conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+                resp = conn.getresponse()
+                if stream and resp.status == 200:
+                    lines = []
+                    for raw in resp:
+                        line = raw.decode("utf-8").rstrip("\r\n")
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+                            if line == "data: [DONE]":
+                                break
+                    resp.read()
+                    data = lines
+                else:
+                    data = resp.read()
+                if resp.getheader("connection", "").lower() == "close":
+                    self.close()
+                return resp.status, dict(resp.getheaders()), data
+            except (http.client.HTTPException, ConnectionError, socket.timeout, OSError):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _text_of(status: int, data, chat: bool, stream: bool) -> str | None:
+    if status != 200:
+        return None
+    if stream:
+        out = []
+        for d in data:
+            if d == "[DONE]":
+                break
+            obj = json.loads(d)
+            if "error" in obj:
+                return None
+            for c in obj.get("choices", []):
+                out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+        return "".join(out)
+    obj = json.loads(data)
+    c = obj["choices"][0]
+    return c["message"]["content"] if chat else c["text"]
+
+
+def _tokens_of(status: int, data, stream: bool) -> int:
+    if status != 200:
+        return 0
+    if stream:
+        for d in reversed(data):
+            if d != "[DONE]":
+                return json.loads(d).get("usage", {}).get("completion_tokens", 0)
+        return 0
+    return json.loads(data)["usage"]["completion_tokens"]
+
+
+# --------------------------------------------------------------------------------------
+# the workload
+# --------------------------------------------------------------------------------------
+def good_requests(model: str, n: int, seed: int) -> list[dict]:
+    """``n`` distinct greedy requests (a third of them chat)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+        mt = rng.randint(8, 48)
+        if i % 3 == 2:
+            out.append({"path": "/v1/chat/completions", "chat": True,
+                        "body": {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": mt,
+                                 "temperature": 0}})
+        else:
+            out.append({"path": "/v1/completions", "chat": False,
+                        "body": {"model": model, "prompt": text, "max_tokens": mt, "temperature": 0}})
+    return out
+
+
+def bad_request(rng: random.Random, model: str, max_body: int, faults: bool = False) -> tuple[str, bytes, set[int], str]:
+    """``(path, raw body, accepted statuses, kind)`` of one bad request (``faults``: also requests
+    that pass validation and then fail while decoding, see :mod:`mtpflow.serve_faults`)."""
+    base = {"model": model, "prompt": "beca daka", "max_tokens": 8}
+
+    def j(**kw):
+        return json.dumps({**base, **kw}).encode()
+
+    kinds = [
+        ("seed-negative", lambda: j(seed=-rng.randint(1, 2**40), temperature=0.7), {400}),
+        ("seed-huge", lambda: j(seed=2**63 + rng.randint(0, 2**70), temperature=0.7), {400}),
+        ("temperature-nan", lambda: b'{"model": "%s", "prompt": "beca", "temperature": NaN}' % model.encode(), {400}),
+        ("top_p-zero", lambda: j(top_p=0), {400}),
+        ("top_k-negative", lambda: j(top_k=-3), {400}),
+        ("max_tokens-zero", lambda: j(max_tokens=0), {400}),
+        ("max_tokens-huge", lambda: j(max_tokens=10**9), {400}),
+        ("n-zero", lambda: j(n=0), {400}),
+        ("logprobs-9", lambda: j(logprobs=9), {400}),
+        ("type-confusion", lambda: j(temperature="hot"), {400}),
+        ("token-out-of-vocab", lambda: j(prompt=[10**7]), {400}),
+        ("unknown-model", lambda: j(model="nope"), {400}),
+        ("deep-json", lambda: b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", {400}),
+        ("lone-surrogate", lambda: b'{"model": "%s", "prompt": "beca \\ud83d daka"}' % model.encode(), {400}),
+        ("not-utf8", lambda: b'{"model": "%s", "prompt": "beca \xc3\x28"}' % model.encode(), {400}),
+        ("truncated-json", lambda: j()[: rng.randint(1, 20)], {400}),
+        ("not-an-object", lambda: b"[1, 2, 3]", {400}),
+        ("too-large", lambda: json.dumps({**base, "prompt": "beca " * (max_body // 5 + 10)}).encode(), {413}),
+    ]
+    if faults:
+        from .serve_faults import FAULT_PREFILL, FAULT_ROUND
+
+        kinds += [
+            ("fault-in-round", lambda: j(prompt=FAULT_ROUND + [rng.randint(3, 999)], max_tokens=30), {500}),
+            ("fault-in-prefill", lambda: j(prompt=FAULT_PREFILL + [rng.randint(3, 999)], max_tokens=30), {500}),
+        ]
+        kinds += kinds[-2:] * 4  # a fair share of the bad requests
+    kind, make, want = rng.choice(kinds)
+    return "/v1/completions", make(), want, kind
+
+
+# --------------------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------------------
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+        return int(out.stdout.strip()) / 1024
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+class MemorySampler(threading.Thread):
+    def __init__(self, pid: int | None, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self):
+        while self.pid is not None and not self.stop.is_set():
+            m = rss_mb(self.pid)
+            if m is not None:
+                self.samples.append((time.monotonic(), m))
+            self.stop.wait(self.every)
+
+
+# --------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-c", "import sys; from mtpflow.cli import main; sys.exit(main())", "serve",
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+           "--max-body-size", str(args.max_body_size), "--max-batch-size", str(args.max_batch_size)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.draft_model:
+        cmd += ["--draft-model", args.draft_model]
+    if args.draft_block_size:
+        cmd += ["--draft-block-size", str(args.draft_block_size)]
+    if args.faults:
+        cmd += ["--set", 'plugins.load=["mtpflow.serve_faults"]']
+    cmd += args.server_arg
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if args.quiet else None)
+    base = f"http://127.0.0.1:{port}"
+    c = Client(base, timeout=5)
+    deadline = time.monotonic() + args.startup_timeout
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise SystemExit(f"loadtest: the server exited with status {proc.returncode}\n{err[-2000:]}")
+        try:
+            if c.request("GET", "/health")[0] == 200:
+                return proc, base
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("loadtest: the server did not start in time")
+        time.sleep(0.2)
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def _metrics(base: str) -> dict:
+    status, _, data = Client(base).request("GET", "/metrics")
+    out: dict = {}
+    if status != 200:
+        return out
+    for line in data.decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, val = line.rsplit(" ", 1)
+        name = key.split("{")[0]
+        out[name] = out.get(name, 0.0) + float(val)
+    return out
+
+
+def run(args) -> dict:
+    proc = None
+    if args.url:
+        base = args.url.rstrip("/")
+    else:
+        proc, base = start_server(args)
+    try:
+        return _run(args, base, proc)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _run(args, base: str, proc) -> dict:
+    c = Client(base)
+    model = json.loads(c.request("GET", "/v1/models")[2])["data"][0]["id"]
+    goods = good_requests(model, args.pool, args.seed)
+    t0 = time.monotonic()
+    solo = []
+    for g in goods:  # each alone: the reference every concurrent run must reproduce
+        status, _, data = c.request("POST", g["path"], json.dumps(g["body"]).encode())
+        if status != 200:
+            raise SystemExit(f"loadtest: a good request failed alone ({status}): {data[:300]!r}")
+        solo.append(_text_of(status, data, g["chat"], False))
+    solo_s = time.monotonic() - t0
+    sampler = MemorySampler(proc.pid if proc is not None else args.pid)
+    sampler.start()
+    time.sleep(1.0)
+    m0 = _metrics(base)
+
+    lock = threading.Lock()
+    records: list[dict] = []
+    stop_at = time.monotonic() + args.duration
+
+    def client_loop(i: int):
+        rng = random.Random(args.seed * 1000 + i)
+        cl = Client(base, timeout=args.request_timeout)
+        while time.monotonic() < stop_at:
+            if rng.random() < args.bad_fraction:
+                path, raw, want, kind = bad_request(rng, model, args.max_body_size, args.faults)
+                t = time.monotonic()
+                try:
+                    status, _, data = cl.request("POST", path, raw)
+                    ok = status in want
+                    if ok:
+                        err = json.loads(data)["error"]
+                        ok = bool(err.get("message")) and "\n" not in err["message"]
+                except Exception as exc:  # a bad request must still get an answer
+                    status, ok = repr(exc), False
+                rec = {"good": False, "kind": kind, "status": status, "ok": ok, "latency": time.monotonic() - t}
+            else:
+                k = rng.randrange(len(goods))
+                g = goods[k]
+                stream = rng.random() < 0.5
+                body = dict(g["body"], stream=True) if stream else g["body"]
+                t = time.monotonic()
+                try:
+                    status, _, data = cl.request("POST", g["path"], json.dumps(body).encode(), stream=stream)
+                    text = _text_of(status, data, g["chat"], stream)
+                    tokens = _tokens_of(status, data, stream)
+                except Exception as exc:
+                    status, text, tokens = repr(exc), None, 0
+                rec = {"good": True, "kind": "stream" if stream else "plain", "status": status,
+                       "ok": text == solo[k], "latency": time.monotonic() - t, "tokens": tokens,
+                       "mismatch": status == 200 and text != solo[k]}
+            with lock:
+                records.append(rec)
+        cl.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(args.clients)]
+    t_load = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.duration + args.request_timeout + 30)
+    wall = time.monotonic() - t_load
+    time.sleep(args.idle_wait)  # the server goes idle: memory after the run
+    m1 = _metrics(base)
+    sampler.stop.set()
+    sampler.join(5)
+
+    good = [r for r in records if r["good"]]
+    bad = [r for r in records if not r["good"]]
+    lat = [r["latency"] for r in good if r["ok"]]
+    mem = [m for _, m in sampler.samples]
+    warm = args.warmup if args.warmup is not None else min(10.0, wall / 4)
+    load_mem = [m for t, m in sampler.samples if t_load + warm <= t <= t_load + wall]
+
+    def d(name):
+        return m1.get(name, 0.0) - m0.get(name, 0.0)
+
+    drafts = d("vllm:spec_decode_num_drafts_total")
+    report = {
+        "clients": args.clients, "duration_s": round(wall, 2), "bad_fraction": args.bad_fraction,
+        "pool": len(goods), "solo_pass_s": round(solo_s, 2),
+        "requests": len(records),
+        "good": {"sent": len(good), "ok": sum(r["ok"] for r in good),
+                 "mismatched": sum(bool(r.get("mismatch")) for r in good),
+                 "failed": [r["status"] for r in good if not r["ok"] and not r.get("mismatch")][:20],
+                 "streamed": sum(r["kind"] == "stream" for r in good)},
+        "bad": {"sent": len(bad), "answered_as_expected": sum(r["ok"] for r in bad),
+                "unexpected": [(r["kind"], r["status"]) for r in bad if not r["ok"]][:20],
+                "kinds": sorted({r["kind"] for r in bad})},
+        "latency_s": {"p50": _pct(lat, 50), "p95": _pct(lat, 95), "p99": _pct(lat, 99), "max": max(lat, default=None)},
+        "throughput": {"good_requests_per_s": round(len(lat) / wall, 3),
+                       "completion_tokens_per_s": round(sum(r.get("tokens", 0) for r in good if r["ok"]) / wall, 2)},
+        "memory_mb": None if not mem else {
+            "warmup_s": round(warm, 1),
+            "after_warmup": round(load_mem[0] if load_mem else mem[0], 1),
+            "peak": round(max(mem), 1),
+            "end_of_load": round(load_mem[-1] if load_mem else mem[-1], 1),
+            "after_idle": round(mem[-1], 1),
+        },
+        "server_metrics": {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": d("vllm:spec_decode_num_draft_tokens_total"),
+            "spec_decode_num_accepted_tokens": d("vllm:spec_decode_num_accepted_tokens_total"),
+            "mean_acceptance_length": None if not drafts else round(
+                1 + d("vllm:spec_decode_num_accepted_tokens_total") / drafts, 3),
+            "rejected": d("mtpflow:requests_rejected_total"),
+            "batch_recoveries": d("mtpflow:batch_recoveries_total"),
+        },
+    }
+    if report["memory_mb"]:
+        mm = report["memory_mb"]
+        mm["growth_during_load_pct"] = round(100 * (mm["end_of_load"] - mm["after_warmup"]) / mm["after_warmup"], 2)
+    report["passed"] = (report["good"]["ok"] == report["good"]["sent"] and
+                        report["bad"]["answered_as_expected"] == report["bad"]["sent"] and len(good) > 0)
+    return report
+
+
+def format_report(r: dict) -> str:
+    lat, th, mem, sm = r["latency_s"], r["throughput"], r["memory_mb"], r["server_metrics"]
+
+    def s(x, nd=3):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    lines = [
+        f"{r['clients']} clients for {r['duration_s']} s, bad fraction {r['bad_fraction']}: "
+        f"{'PASS' if r['passed'] else 'FAIL'}",
+        f"  good: {r['good']['ok']}/{r['good']['sent']} equal to their solo output "
+        f"({r['good']['streamed']} streamed, {r['good']['mismatched']} mismatched, failed: {r['good']['failed'] or 'none'})",
+        f"  bad:  {r['bad']['answered_as_expected']}/{r['bad']['sent']} answered with their 4xx/500 "
+        f"(unexpected: {r['bad']['unexpected'] or 'none'})",
+        f"  latency p50 {s(lat['p50'])} s, p95 {s(lat['p95'])} s, p99 {s(lat['p99'])} s, max {s(lat['max'])} s",
+        f"  throughput {th['good_requests_per_s']} good requests/s, {th['completion_tokens_per_s']} tokens/s",
+    ]
+    if mem:
+        lines.append(f"  server RSS MB: after {mem['warmup_s']} s of load {mem['after_warmup']}, peak {mem['peak']}, end of load "
+                     f"{mem['end_of_load']} ({mem['growth_during_load_pct']:+.2f} %), after idle {mem['after_idle']}")
+    lines.append(f"  spec decode: {sm['spec_decode_num_drafts']:.0f} drafts, mean acceptance length "
+                 f"{s(sm['mean_acceptance_length'])}; rejected {sm['rejected']:.0f}, batch recoveries "
+                 f"{sm['batch_recoveries']:.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtpflow.loadtest", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="an already running server (default: start one on 127.0.0.1)")
+    ap.add_argument("--pid", type=int, help="with --url: the server's process id, to sample its memory")
+    ap.add_argument("--model", help="target for the started server")
+    ap.add_argument("--draft-model", help="drafter for the started server")
+    ap.add_argument("--draft-block-size", type=int, default=4, help="(default 4)")
+    ap.add_argument("--max-batch-size", type=int, default=8, help="(default 8)")
+    ap.add_argument("--max-body-size", type=int, default=256 * 1024,
+                    help="the started server's body limit in bytes; the oversized bad request exceeds it "
+                         "(default 262144)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra flag for mtpflow serve (repeatable)")
+    ap.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
+    ap.add_argument("--bad-fraction", type=float, default=0.0, help="share of bad requests (default 0)")
+    ap.add_argument("--faults", action="store_true",
+                    help="load mtpflow.serve_faults into the started server and mix in requests that fail while "
+                         "decoding (a 500 for them, nothing for the others)")
+    ap.add_argument("--pool", type=int, default=48, help="distinct good requests (default 48)")
+    ap.add_argument("--seed", type=int, default=0, help="(default 0)")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="client timeout per request (default 120)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="(default 300)")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds of load before the memory baseline (default: a quarter of the run, at most 10)")
+    ap.add_argument("--idle-wait", type=float, default=3.0, help="seconds idle before the last memory sample (default 3)")
+    ap.add_argument("--json", help="also write the report as JSON to this file")
+    ap.add_argument("--quiet", action="store_true", help="hide the server's stderr")
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.bad_fraction <= 1.0:
+        ap.error("--bad-fraction must be in [0, 1]")
+    if not args.url and not args.model:
+        ap.error("give --model (and --draft-model) to start a server, or --url of a running one")
+    report = run(args)
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
