@@ -16,9 +16,11 @@ does and, when a step raises:
   thrown away).  Rows whose probe raises end with an error event; the others
   go back to the front of the queue and decode on from where they were.
   Greedy rows continue exactly (the prefill of prompt + emitted tokens gives
-  the target's next-token distribution); a seeded sampled row continues with
-  a key derived from its seed and the number of tokens it has (its draws
-  after a recovery are not those of an undisturbed run).
+  the target's next-token distribution), and so do seeded sampled rows under
+  the built-in sampler, whose draws are keyed by (seed, absolute position):
+  the resumed request keeps its seed and its next token keeps its position.
+  (A sampler whose keys advance per round -- rejection sampling of drafts
+  that carry probabilities -- restarts them from the seed.)
 
 A failure that no row reproduces alone is counted against every row of the
 failing step; a row in ``max_strikes`` such steps in a row ends with an
@@ -41,20 +43,12 @@ from .engine import Batcher, Event, _round_events
 
 #: appended to the request id of a probe (a row run alone to find a failing one)
 PROBE_SUFFIX = "#probe"
-_SEED_MOD = 2**63
-
-
-def _derived_seed(seed: int, n: int) -> int:
-    return (seed * 1_000_003 + n * 7_919 + 1) % _SEED_MOD
 
 
 def resume_request(request, emitted: list[int]):
-    """The request that continues ``request`` after it emitted ``emitted``."""
-    sp = request.sampling
-    if emitted and sp.seed is not None:
-        sp = attrs.evolve(sp, seed=_derived_seed(int(sp.seed), len(emitted)))
+    """The request that continues ``request`` after it emitted ``emitted`` (same id and sampling)."""
     return attrs.evolve(request, prompt=list(request.prompt) + list(emitted),
-                        max_tokens=request.max_tokens - len(emitted), sampling=sp)
+                        max_tokens=request.max_tokens - len(emitted))
 
 
 class IsolatingBatcher(Batcher):

@@ -320,6 +320,23 @@ def test_serve_arguments_and_env(monkeypatch):
     monkeypatch.setenv("MTPFLOW_DRAFT_BLOCK_SIZE", "six")
     with pytest.raises(ConfigError):
         serve_config_from_args(p.parse_args([]))
+    monkeypatch.delenv("MTPFLOW_DRAFT_BLOCK_SIZE")
+    args = p.parse_args(["--max-queued", "5", "--max-body-size", "512K", "--request-timeout", "30"])
+    assert (args.max_queued, args.max_body_size, args.request_timeout) == (5, "512K", 30.0)
+    serve_config_from_args(args)
+    for bad, needle in ((["--max-queued", "-1"], "--max-queued"), (["--max-body-size", "lots"], "--max-body-size"),
+                        (["--max-body-size", "0"], "--max-body-size"), (["--request-timeout", "0"], "--request-timeout")):
+        with pytest.raises(ConfigError, match=needle):
+            serve_config_from_args(p.parse_args(bad))
+
+
+def test_parse_size():
+    from mtpflow.server import parse_size
+
+    assert [parse_size(x) for x in ("1048576", "512K", "8M", "8MiB", "1g", "1.5K")] == \
+        [1 << 20, 512 << 10, 8 << 20, 8 << 20, 1 << 30, 1536]
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("8Q")
 
 
 # --------------------------------------------------------------------------------------
@@ -433,13 +450,18 @@ def test_a_failing_row_ends_alone(server, client):
             return exc
         return None
 
-    with ThreadPoolExecutor(8) as ex:
+    sampled = dict(model=MODEL, prompt=_prompt(7), max_tokens=30, temperature=0.9, seed=11)
+    sampled_alone = client.completions.create(**sampled).choices[0].text
+    with ThreadPoolExecutor(9) as ex:
         fg = [ex.submit(_solo, client, kw, i % 2 == 1) for i, kw in enumerate(goods)]
+        fs = ex.submit(lambda: client.completions.create(**sampled).choices[0].text)
         fb = [ex.submit(bad_one, dict(kw)) for kw in bad]
         got = [f.result(timeout=60) for f in fg]
         errs = [f.result(timeout=60) for f in fb]
     for i, g in enumerate(got):
         assert g == alone[i], f"good request {i} changed by a failing neighbour"
+    # a seeded sampled row resumes on the same draws (they are keyed by seed and position)
+    assert fs.result(timeout=60) == sampled_alone
     assert isinstance(errs[0], openai.InternalServerError) and "fault in the round" in errs[0].message
     assert isinstance(errs[1], openai.InternalServerError) and "fault in the prefill" in errs[1].message
     assert isinstance(errs[2], openai.APIError) and "fault in the round" in str(errs[2])  # an error event in the stream
