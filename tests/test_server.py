@@ -630,12 +630,13 @@ def test_tokenization_does_not_block_the_event_loop(server, client, monkeypatch)
     with ThreadPoolExecutor(2) as ex:
         f = ex.submit(client.completions.create, model=MODEL, prompt="beca slowtokenize", max_tokens=3)
         time.sleep(0.2)
-        gaps = []
-        for _ in range(5):  # /health answers at once while the tokenizer works
+        gaps, busy = [], []
+        for _ in range(3):  # /health answers while the tokenizer works (a blocked loop: > 1.2 s)
             t = time.monotonic()
             assert httpx.get(server["base"] + "/health", timeout=5).status_code == 200
             gaps.append(time.monotonic() - t)
-        assert not f.done() and max(gaps) < 0.3, gaps
+            busy.append(not f.done())
+        assert busy[0] and max(gaps) < 0.8, (gaps, busy)
         assert f.result(timeout=30).usage.completion_tokens == 3
     # a body near the size limit does not stall it either
     big = json.dumps({"model": MODEL, "prompt": "beca " * (MAX_BODY // 6)})
@@ -643,7 +644,7 @@ def test_tokenization_does_not_block_the_event_loop(server, client, monkeypatch)
         f = ex.submit(_post, server, big)
         t = time.monotonic()
         assert httpx.get(server["base"] + "/health", timeout=5).status_code == 200
-        assert time.monotonic() - t < 0.3
+        assert time.monotonic() - t < 0.8
         assert f.result(timeout=30).status_code == 400
 
 
