@@ -129,6 +129,10 @@ class BatchConfig:
     policy: str = "static"
     max_batch_size: int = field(default=8, validator=[_ge(1)])
     prefill_step_size: int = field(default=512, validator=[_ge(1)])
+    #: prefix caching across requests: keep the target's K/V of finished rows
+    #: (an LRU of this many MiB) and prefill only a new prompt's uncached
+    #: suffix; 0 = off
+    prefix_cache_mb: int = field(default=0, validator=[_ge(0)])
 
 
 @frozen(kw_only=True)

@@ -45,6 +45,15 @@ class DrafterOptions:
     config: Any = None
 
 
+def _prefix_cache(config: Config):
+    mb = config.batch.prefix_cache_mb
+    if not mb:
+        return None
+    from .prefix_cache import PrefixCache
+
+    return PrefixCache(mb * 2**20)
+
+
 def build_processors(plugins: Plugins, config: Config) -> list:
     """The configured logits processors (``[sampling] processors``), in order
     (mlx-lm ``(tokens, logits)`` processors are adapted by the samplers, see
@@ -67,6 +76,8 @@ class Session:
     stats: SpecDecodingStats = field(factory=SpecDecodingStats)
     #: the ``[draft]`` settings a config that sets none gets for this pair
     default_draft: Any = None
+    #: prefix caching across requests (``[batch] prefix_cache_mb``), or None
+    prefix_cache: Any = None
 
     @property
     def hook(self):
@@ -355,6 +366,7 @@ def load_session(
         block_policy=plugins.build("block_policies", config.draft.policy, config, config),
         batch_policy=plugins.build("batch_policies", config.batch.policy, config, config),
         default_draft=default_draft,
+        prefix_cache=_prefix_cache(config),
         log=log if log is not None else round_logger(),
     )
     return session
@@ -441,6 +453,12 @@ class Batcher:
         if st is None:
             return
         keep = [i for i, r in enumerate(st.rows) if not r.finished]
+        pc = self.session.prefix_cache
+        if pc is not None and len(keep) != st.size:
+            for i, r in enumerate(st.rows):
+                if r.finished:  # what the target computed for this row stays reusable
+                    seq = list(r.request.prompt) + list(r.generated)
+                    pc.store(seq[: r.position], st.cache, i)
         if not keep:
             self.state = None
             if not self.session.batch_policy.joins_between_rounds:
@@ -471,6 +489,8 @@ class Batcher:
         if self.state is not None:
             session.hook.mtpflow_round_protocol(session=session, state=self.state)
             events.extend(_round_events(self.state))
+            if session.prefix_cache is not None:
+                self._drop_finished()  # finished rows leave now: their K/V go to the prefix cache
         return events
 
 

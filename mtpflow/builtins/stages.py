@@ -36,6 +36,44 @@ def _finish(row: RowState, new: list[int]) -> list[int]:
 @hookimpl
 def mtpflow_prefill(session, requests):
     target = session.target
+    pc = session.prefix_cache
+    usable = not session.tap_layers and not hasattr(session.drafter, "prefilled")
+    if pc is not None and usable and all(r.media is None for r in requests):
+        hits = {}
+        for i, r in enumerate(requests):
+            found = pc.lookup(r.prompt)
+            if found is not None:
+                hits[i] = found
+        if hits:
+            return _prefill_with_prefixes(session, requests, hits)
+    return _prefill(session, requests)
+
+
+def _prefill_with_prefixes(session, requests, hits: dict):
+    """Rows with a cached prefix prefill only their suffix (one row each, on a
+    copy of the cached K/V); the others prefill together; the parts merge."""
+    from mtpflow.targets.cache import merge_caches
+
+    target = session.target
+    misses = [r for i, r in enumerate(requests) if i not in hits]
+    caches, hidden, rows_req = [], [], []
+    if misses:
+        part = _prefill(session, misses, sample=False)
+        caches.append(part.cache)
+        hidden.append(part.hidden)
+        rows_req += misses
+    for i, (n, cache) in hits.items():
+        r = requests[i]
+        h = target.extend(cache, r.prompt[n:], n, step=session.config.batch.prefill_step_size)
+        caches.append(cache)
+        hidden.append(h)
+        rows_req.append(r)
+    cache = merge_caches(caches) if len(caches) > 1 else caches[0]
+    return _first_tokens(session, rows_req, cache, mx.concatenate(hidden, axis=0))
+
+
+def _prefill(session, requests, sample: bool = True):
+    target = session.target
     # identical prompts (n samples of one prompt) are prefilled once
     unique: dict[tuple, int] = {}
     index = [unique.setdefault((tuple(r.prompt), id(r.media) if r.media is not None else None), len(unique)) for r in requests]
@@ -66,25 +104,33 @@ def mtpflow_prefill(session, requests):
         if layers:
             fwd_tokens, fwd_positions = fwd_tokens[sel], fwd_positions[sel]
             taps = {k: v[sel] for k, v in taps.items()}
-    rows = [RowState(request=r, position=len(r.prompt)) for r in requests]
-    session.sampler.prepare(rows, target.vocab_size)
-    first = session.sampler.first(target.logits(last_hidden), None)
-    mx.eval(first, last_hidden)
-    for row, tok in zip(rows, first.tolist()):
-        _finish(row, [tok])
-    state = BatchState(
-        rows=rows,
-        cache=cache,
-        last_tokens=first,
-        hidden=last_hidden,
-        positions=mx.array([r.position for r in rows], dtype=mx.int32),
-    )
+    if not sample:  # the caller samples the first tokens of a merged batch
+        return BatchState(rows=[], cache=cache, last_tokens=None, hidden=last_hidden, positions=None)
+    state = _first_tokens(session, requests, cache, last_hidden)
     if layers:
         state.fwd_tokens, state.fwd_positions, state.taps = fwd_tokens, fwd_positions, taps
     prefilled = getattr(session.drafter, "prefilled", None)
     if prefilled is not None:
         prefilled(session, state)  # a drafter with its own cache takes in the new rows' prompts
     return state
+
+
+def _first_tokens(session, requests, cache, last_hidden) -> BatchState:
+    """The first sampled token of every new row (one host sync), and its state."""
+    target = session.target
+    rows = [RowState(request=r, position=len(r.prompt)) for r in requests]
+    session.sampler.prepare(rows, target.vocab_size)
+    first = session.sampler.first(target.logits(last_hidden), None)
+    mx.eval(first, last_hidden)
+    for row, tok in zip(rows, first.tolist()):
+        _finish(row, [tok])
+    return BatchState(
+        rows=rows,
+        cache=cache,
+        last_tokens=first,
+        hidden=last_hidden,
+        positions=mx.array([r.position for r in rows], dtype=mx.int32),
+    )
 
 
 @hookimpl

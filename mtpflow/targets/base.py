@@ -304,6 +304,18 @@ class TargetAdapter:
             return cache, hidden[:, -1]
         return cache, hidden[:, -1], {lid: mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0] for lid, hs in chunks.items()}
 
+    def extend(self, cache: list, tokens: list[int], start: int, step: int = 512):
+        """Continue a one-row ``cache`` holding positions ``< start`` with
+        ``tokens`` at ``start ..``, ``step`` at a time; returns the post-norm
+        hidden state at the last token ``[1, D]``."""
+        ids = mx.array([list(tokens)], dtype=mx.int32)
+        self.set_offsets(cache, mx.array([start], dtype=mx.int32))
+        for s in range(0, len(tokens), step):
+            hidden = self.forward(ids[:, s : s + step], cache)
+            if s + step < len(tokens):
+                mx.eval([c.keys for c in cache] + [c.values for c in cache])
+        return hidden[:, -1]
+
     def set_offsets(self, cache: list[SlotKVCache], offsets: mx.array) -> None:
         for c in cache:
             c.offset = offsets
