@@ -39,8 +39,8 @@ Backpressure, cancellation, deadlines
   ``DEFAULT_MAX_QUEUED``) wait for a place in the batch, beyond the rows it
   has free; past that a request is answered **503** with ``Retry-After``
   (seconds, from the recent rate of finished requests; the official
-  ``openai`` client retries by itself).  The time a request waited is ``usage.queue_time_s``
-  and the histogram ``vllm:request_queue_time_seconds``.
+  ``openai`` client retries by itself).  The time a request waited is
+  ``usage.queue_time_s`` and the histogram ``vllm:request_queue_time_seconds``.
 * A client that disconnects -- streaming or not -- cancels its rows at the
   next round.
 * ``max_time`` (request field, seconds since the request arrived) and

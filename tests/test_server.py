@@ -563,7 +563,7 @@ def test_non_streaming_request_cancelled_when_client_goes(server):
 def test_deadline_ends_a_row_with_length_and_timeout_detail(server, client):
     t0 = time.monotonic()
     r = client.completions.create(**_slow(), extra_body={"max_time": 0.6})
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0  # the request would take ~10 s
     c = r.choices[0]
     assert c.finish_reason == "length" and c.model_extra["finish_detail"] == "timeout"
     assert 0 < r.usage.completion_tokens < 400 and c.text
