@@ -15,6 +15,7 @@ EXTRAS = {
     "serve": "mtpflow serve",
     "bench": "mtpflow bench",
     "train": "mtpflow train / eval",
+    "structured": "structured output (a grammar, a JSON schema or a regex)",
 }
 
 

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="file with one prompt per line, decoded as one batch (default: none)")
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids instead of text, never templated (default: none)")
     g.add_argument("--system-prompt", help="system message for the chat template (default: none)")
+    g.add_argument("--image", action="append", default=[], metavar="PATH_OR_DATA_URL",
+                   help="an image for the prompt (multimodal Gemma 4 targets; the 'vision' extra); repeatable (default: none)")
+    g.add_argument("--audio", action="append", default=[], metavar="PATH_OR_DATA_URL",
+                   help="an audio clip for the prompt (checkpoints with an audio tower); repeatable (default: none)")
     g.add_argument("--max-tokens", "-m", type=int, help="tokens to generate (default: 256)")
     g.add_argument("--temp", type=float, help="sampling temperature, 0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling, 1 = off (default: 1.0)")
@@ -213,7 +217,16 @@ def _generate(args, cfg, log) -> int:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if text == "-":
             text = sys.stdin.read()
-        prompts = [_encode(session, text, args.chat_template, args.system_prompt)]
+        prompts = None if args.image or args.audio else [_encode(session, text, args.chat_template, args.system_prompt)]
+    media = None
+    if args.image or args.audio:  # through the checkpoint's processor and chat template, as mlx_vlm.generate
+        from .media import encode_prompt_with_media
+
+        if args.prompt_ids or args.prompts_file:
+            raise CLIError("--image / --audio go with --prompt (not --prompt-ids or --prompts-file)")
+        ids, media = encode_prompt_with_media(session, text, args.image, args.audio, chat=args.chat_template,
+                                              system=args.system_prompt)
+        prompts = [ids]
     vocab = session.target.vocab_size
     for p in prompts:
         if not p:
@@ -222,6 +235,8 @@ def _generate(args, cfg, log) -> int:
         if bad:
             raise CLIError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     reqs = [make_request(session, p, request_id=str(i)) for i, p in enumerate(prompts)]
+    if media is not None:
+        reqs[0].media = media
     outs: dict[str, list[int]] = {r.id: [] for r in reqs}
     reasons: dict[str, str | None] = {}
     stream = len(reqs) == 1 and not args.json and session.tokenizer is not None

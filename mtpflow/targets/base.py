@@ -234,14 +234,15 @@ class TargetAdapter:
                 out.append(SlotKVCache())
         return out
 
-    def forward_with_taps(self, tokens: mx.array, cache: list, layers=()):
+    def forward_with_taps(self, tokens: mx.array, cache: list, layers=(), **kw):
         """:meth:`forward`, and the hidden states of the target ``layers``:
         ``{l: [B, L, D]}``, the residual stream entering decoder layer ``l``
         (vLLM's / EAGLE-3's convention; ``l = num_layers``: the last layer's
         output before the final norm).  No extra host synchronisation: the
-        taps are lazy arrays of the same graph."""
+        taps are lazy arrays of the same graph.  ``kw`` goes to :meth:`forward` (e.g. a
+        multimodal adapter's precomputed input embeddings)."""
         if not layers:
-            return self.forward(tokens, cache), {}
+            return self.forward(tokens, cache, **kw), {}
         inner = self.inner
         orig = list(inner.layers)
         n = len(orig)
@@ -249,7 +250,7 @@ class TargetAdapter:
         store: dict = {}
         inner.layers = [_Tap(layer, i, store, want, n) if (i in want or i == n - 1) else layer for i, layer in enumerate(orig)]
         try:
-            hidden = self.forward(tokens, cache)
+            hidden = self.forward(tokens, cache, **kw)
         finally:
             inner.layers = orig
         return hidden, {lid: store[lid] for lid in layers}

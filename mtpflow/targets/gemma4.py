@@ -5,6 +5,10 @@ config (both the Hub's flat ``global_head_dim`` and transformers'
 ``per_layer_config`` form), loads the language model alone (weights under
 ``model.`` or ``model.language_model.``), and exposes the post-norm hidden
 state and the store layers' K/V.
+
+A prompt with images or audio (a request's ``media``) is prefilled on its input embeddings, soft
+tokens in place, built by mlx-vlm's towers (:mod:`mtpflow.targets.gemma4_media`, loaded on first
+use; the ``vision`` extra); decoding rounds are the same for every row.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Gemma4Target(TargetAdapter):
         self.softcap = self.tc.get("final_logit_softcapping")
         self.eos_ids = read_eos_ids(path, config)
         self._embed_scale = mx.array(math.sqrt(self.hidden_size), dtype=mx.float32)
+        self._media = None
 
     # -- config-only facts (no weights): used by drafter checks -----------------------
     @classmethod
@@ -150,9 +155,49 @@ class Gemma4Target(TargetAdapter):
         first_shared = self.tc["num_hidden_layers"] - (self.tc.get("num_kv_shared_layers") or 0)
         return self.layer_types[:first_shared]
 
-    def forward(self, tokens: mx.array, cache: list) -> mx.array:
-        """Post-norm final hidden state ``[B, L, D]`` (cache offsets set by the caller)."""
-        return self.model.model(tokens, cache=cache)
+    def forward(self, tokens: mx.array, cache: list, inputs=None) -> mx.array:
+        """Post-norm final hidden state ``[B, L, D]`` (cache offsets set by the caller).
+        ``inputs``: ``(input embeddings [B, L, D], per-layer inputs or None)`` to use instead
+        of the tokens' (mlx-vlm's convention: the embeddings are already scaled by sqrt(D))."""
+        if inputs is None:
+            return self.model.model(tokens, cache=cache)
+        embeds, ple = inputs
+        inner = self.inner
+        scale, inner.embed_scale = inner.embed_scale, 1.0
+        try:
+            return inner(tokens, cache=cache, input_embeddings=embeds, per_layer_inputs=ple)
+        finally:
+            inner.embed_scale = scale
+
+    # -- images and audio --------------------------------------------------------------
+    @property
+    def multimodal(self):
+        """The towers / processor side (:class:`~mtpflow.targets.gemma4_media.Gemma4Media`)."""
+        if self._media is None:
+            from .gemma4_media import Gemma4Media
+
+            self._media = Gemma4Media(self)
+        return self._media
+
+    def encode_media(self, text, images=(), audio=(), chat=None, system=None, max_tokens=0):
+        """``(prompt ids, media)`` of a prompt with images / audio (see
+        :func:`mtpflow.media.encode_prompt_with_media`)."""
+        from ..media import MediaError
+
+        if self.config.get("model_type") == "gemma4_text" or not (self.config.get("vision_config") or self.config.get("audio_config")):
+            raise MediaError(f"{self.path}: this checkpoint has no vision or audio tower (no vision_config / audio_config); drop the images / audio")
+        return self.multimodal.encode(text, images=images, audio=audio, chat=chat, system=system, max_tokens=max_tokens)
+
+    def prefill(self, seqs, extra: int = 16, step: int = 512, pad_id: int = 0, taps=(), media=None):
+        """The base prefill; rows with ``media`` (the rest may be ``None``) run on their input
+        embeddings with the image / audio soft tokens in place."""
+        if media is None or all(m is None for m in media):
+            return super().prefill(seqs, extra=extra, step=step, pad_id=pad_id, taps=taps)
+        if self.config.get("model_type") == "gemma4_text" or not (self.config.get("vision_config") or self.config.get("audio_config")):
+            from ..media import MediaError
+
+            raise MediaError(f"{self.path}: this checkpoint has no vision or audio tower; drop the images / audio")
+        return self.multimodal.prefill(seqs, media, extra=extra, step=step, pad_id=pad_id, taps=taps)
 
     @property
     def lm_head_module(self):
