@@ -369,6 +369,9 @@ def load_session(
         prefix_cache=_prefix_cache(config),
         log=log if log is not None else round_logger(),
     )
+    bind = getattr(session.sampler, "bind_session", None)
+    if bind is not None:
+        bind(session)
     return session
 
 

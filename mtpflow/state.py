@@ -41,6 +41,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(factory=dict)
     seed: int | None = None
+    #: structured output: an llguidance grammar (:func:`mtpflow.structured.grammar`
+    #: from a JSON schema, a regex or a Lark grammar); every token obeys it
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

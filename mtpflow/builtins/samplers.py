@@ -18,11 +18,43 @@ class _Processors:
         self.config = config
         self.processors = [with_drafts(p) for p in processors]
         self.rows = []
+        self.tokenizer = None
+        self.eos_ids = ()
+        self._grammar = None
+
+    def bind_session(self, session) -> None:
+        """The session's tokenizer and EOS ids (grammar-constrained rows need them)."""
+        self.tokenizer = session.tokenizer
+        self.eos_ids = tuple(session.target.eos_ids)
 
     def _pre(self, logits, rows, drafts=None):
         for proc in self.processors:
             logits = proc(logits, rows, drafts=drafts)
+        if any(r.request.sampling.grammar is not None for r in rows):
+            logits = self._constrain(logits, rows, drafts)
         return logits
+
+    def _constrain(self, logits, rows, drafts):
+        """Grammar masks at every verified position (:mod:`mtpflow.structured`)."""
+        import mlx.core as mx
+
+        from mtpflow.structured import GrammarMasks
+
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this session has none")
+        if self._grammar is None:
+            self._grammar = GrammarMasks(self.tokenizer, logits.shape[-1], self.eos_ids)
+        self._grammar.forget(rows)
+        squeeze = logits.ndim == 2
+        L = 1 if squeeze else logits.shape[1]
+        host = drafts.tolist() if drafts is not None and L > 1 else [[] for _ in rows]  # the drafts' extra sync
+        allowed = self._grammar.masks(rows, host, L)
+        if squeeze:
+            allowed = allowed[:, 0]
+        return mx.where(allowed, logits, -mx.inf)
+
+    def _constrained(self, rows) -> bool:
+        return any(r.request.sampling.grammar is not None for r in rows)
 
 
 class GreedySampler(_Processors):
@@ -41,7 +73,7 @@ class GreedySampler(_Processors):
         return mx.argmax(self._pre(logits, rows), axis=-1).astype(mx.int32)
 
     def supports_trees(self, state) -> bool:
-        return not self.processors  # processors read the drafts as a chain
+        return not self.processors and not self._constrained(state.rows)  # they read the drafts as a chain
 
     def accept(self, logits, draft, state):
         import mlx.core as mx
@@ -108,7 +140,7 @@ class RejectionSampler(_Processors):
         """Trees need processing that does not read the drafts' history
         (configured processors and repetition penalties see a chain)."""
         self._sync(state.rows)
-        return not self.processors and not self.params.use_repetition
+        return not self.processors and not self.params.use_repetition and not self._constrained(state.rows)
 
     def sampling_of(self, row):
         """The :class:`~mtpflow.state.SamplingParams` a row is sampled with
