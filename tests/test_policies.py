@@ -8,7 +8,7 @@ from conftest import make_session
 from mtpflow.builtins.policies import AdaptiveBlockPolicy
 from mtpflow.config import load_config
 from mtpflow.engine import generate, target_only_greedy
-from mtpflow.state import RoundRecord
+from mtpflow.state import RoundRecord, TreeShape
 
 
 def simulate(policy, p_accept, step_s, verify_s, rounds=96, rows=1, seed=0):
@@ -142,3 +142,41 @@ def test_default_policy_falls_back_to_target_only_on_a_wrong_drafter():
     assert s.stats.accepted_tokens == 0
     assert len(drafting) <= 20, sizes  # a few rounds to learn, then rare, ever rarer tries
     assert sizes[-40:].count(1) >= 39, sizes
+
+
+def _tree_world(policy, rounds, chain_p, tree_tokens, tree_cost, verify, step=0.004):
+    """Feed ``policy`` rounds: chains accept each draft with ``chain_p``; a tree
+    shape yields ``tree_tokens[shape]`` tokens per row at ``tree_cost[shape]`` seconds."""
+    rng = random.Random(1)
+    chosen = []
+    for i in range(rounds):
+        k = policy.block_size(None)
+        chosen.append(k)
+        if hasattr(k, "describe"):
+            key = k.describe()
+            n = tree_tokens[key] - 1
+            policy.observe(RoundRecord(round=i, batch_size=1, block_size=k.levels + 1, drafted=k.levels, accepted=[n],
+                                       emitted=[n + 1], draft_s=step * k.levels, verify_s=tree_cost[key], host_s=0.0,
+                                       nodes=k.nodes, tree=key))
+            continue
+        a = 0
+        while a < k - 1 and rng.random() < chain_p:
+            a += 1
+        policy.observe(RoundRecord(round=i, batch_size=1, block_size=k, drafted=k - 1, accepted=[a], emitted=[a + 1],
+                                   draft_s=(k - 1) * step, verify_s=verify(k), host_s=0.0))
+    return chosen
+
+
+def test_adaptive_policy_uses_a_tree_only_where_it_pays():
+    cfg = load_config(overrides={"draft": {"block_size": 3, "max_block_size": 6, "policy": "adaptive", "tree": "auto"}})
+    from mtpflow.builtins.policies import AUTO_TREES
+
+    keys = [TreeShape.parse(t).describe() for t in AUTO_TREES]
+    verify = lambda k: 0.1 * (1 + 0.02 * (k - 1))  # noqa: E731  a memory-bound target
+    # a world where trees pay: many more tokens per round at a small extra cost
+    good = {k: 2.6 for k in keys}
+    chosen = _tree_world(AdaptiveBlockPolicy(cfg), 200, 0.35, good, {k: 0.12 for k in keys}, verify)
+    assert sum(hasattr(c, "describe") for c in chosen[-100:]) >= 90
+    # ... and one where verifying a tree costs too much for what it gains
+    chosen = _tree_world(AdaptiveBlockPolicy(cfg), 200, 0.35, {k: 1.7 for k in keys}, {k: 0.4 for k in keys}, verify)
+    assert sum(hasattr(c, "describe") for c in chosen[-100:]) <= 10
