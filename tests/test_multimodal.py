@@ -314,7 +314,7 @@ def test_split_content_parts_refuses(part, msg):
 
     with pytest.raises(MediaError, match=msg.replace(".", r"\.").replace("(", r"\(")) as e:
         split_content_parts([{"role": "user", "content": [part]}])
-    assert "\n" not in str(e.value) and "messages[0].content[0]" in str(e.value) or "remote" in str(e.value)
+    assert "\n" not in str(e.value) and "messages[0].content[0]" in str(e.value)
 
 
 def test_split_content_parts_media_only_in_user_messages():
