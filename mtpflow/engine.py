@@ -459,7 +459,8 @@ class Batcher:
         pc = self.session.prefix_cache
         if pc is not None and len(keep) != st.size:
             for i, r in enumerate(st.rows):
-                if r.finished:  # what the target computed for this row stays reusable
+                if r.finished and r.request.media is None:  # what the target computed for this row stays reusable
+                    # (rows with images / audio are not: their placeholder ids do not say which image)
                     seq = list(r.request.prompt) + list(r.generated)
                     pc.store(seq[: r.position], st.cache, i)
         if not keep:
