@@ -121,7 +121,8 @@ class LogprobRecorder:
             return state
         import mlx.core as mx
 
-        lp = processed_logprobs(session, state.rows, session.target.logits(state.hidden)[:, None, :], prefill=True)
+        # the first token's logits, [B, V] as the sampler's first() sees them
+        lp = processed_logprobs(session, state.rows, session.target.logits(state.hidden), prefill=True)[:, None, :]
         chosen, ids, vals = _gather(lp, state.last_tokens[:, None], top)
         mx.eval(*[a for a in (chosen, ids, vals) if a is not None])
         chosen = chosen.tolist()

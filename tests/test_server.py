@@ -499,7 +499,10 @@ def _bad_requests():
         st.builds(lambda v: {"logprobs": v}, st.one_of(st.integers(max_value=-1), st.integers(min_value=6))),
         st.builds(lambda v: {"max_time": v}, st.floats(max_value=0.0)),
         st.builds(lambda k, v: {k: v}, st.sampled_from(["temperature", "top_p", "seed", "max_tokens", "n", "stream",
-                                                        "stop", "speculative", "logprobs"]), junk),
+                                                        "speculative", "logprobs"]), junk),
+        # stop: a string or a list of strings; anything else (text and [] are valid stops)
+        st.builds(lambda v: {"stop": v}, st.one_of(st.integers(), st.lists(st.integers(), min_size=1, max_size=2),
+                                                   st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))),
         st.builds(lambda ids: {"prompt": ids}, st.lists(st.integers(min_value=2048), min_size=1, max_size=3)),
     )
     as_dict = field.map(lambda f: ({**base, **f}, {400}))
