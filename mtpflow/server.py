@@ -483,6 +483,7 @@ class Scheduler:
                 for ev in events:
                     job = self._jobs.get(ev.request_id)
                     if job is None:
+                        self.batcher.errors.pop(ev.request_id, None)  # a row whose client already left
                         continue
                     try:
                         self._event(job, ev, t_step)
