@@ -477,24 +477,36 @@ class Batcher:
         admit = session.batch_policy.admit(self.waiting, self.live, self.started)
         if admit:
             self.waiting = self.waiting[len(admit) :]
-            new = session.hook.mtpflow_prefill(session=session, requests=admit)
-            for row in new.rows:
-                row.slot = len(row.generated)
-                events.append(
-                    Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
-                )
-            if self.state is None:
-                self.state = new
-            else:
-                self.state.merge(new)
-                session.sampler.prepare(self.state.rows, session.target.vocab_size)
-            self.started = True
-            self._drop_finished()
+            events.extend(self._join(session.hook.mtpflow_prefill(session=session, requests=admit)))
         if self.state is not None:
-            session.hook.mtpflow_round_protocol(session=session, state=self.state)
-            events.extend(_round_events(self.state))
-            if session.prefix_cache is not None:
-                self._drop_finished()  # finished rows leave now: their K/V go to the prefix cache
+            events.extend(self._run_round())
+        return events
+
+    def _join(self, new) -> list[Event]:
+        """Merge freshly prefilled rows into the batch; their first tokens' events."""
+        session = self.session
+        events = []
+        for row in new.rows:
+            row.slot = len(row.generated)
+            events.append(
+                Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished, finish_reason=row.finish_reason)
+            )
+        if self.state is None:
+            self.state = new
+        else:
+            self.state.merge(new)
+            session.sampler.prepare(self.state.rows, session.target.vocab_size)
+        self.started = True
+        self._drop_finished()
+        return events
+
+    def _run_round(self) -> list[Event]:
+        """One round of the live batch; its events."""
+        session = self.session
+        session.hook.mtpflow_round_protocol(session=session, state=self.state)
+        events = list(_round_events(self.state))
+        if session.prefix_cache is not None:
+            self._drop_finished()  # finished rows leave now: their K/V go to the prefix cache
         return events
 
 

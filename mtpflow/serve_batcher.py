@@ -39,7 +39,7 @@ import copy
 
 import attrs
 
-from .engine import Batcher, Event, _round_events
+from .engine import Batcher, Event
 
 #: appended to the request id of a probe (a row run alone to find a failing one)
 PROBE_SUFFIX = "#probe"
@@ -83,11 +83,9 @@ class IsolatingBatcher(Batcher):
                 events.extend(self._join(new))
         if self.state is not None:
             try:
-                session.hook.mtpflow_round_protocol(session=session, state=self.state)
+                events.extend(self._run_round())
             except Exception as exc:
                 events.extend(self._recover(exc))
-            else:
-                events.extend(_round_events(self.state))
         for ev in events:
             if ev.finished:
                 self.strikes.pop(ev.request_id, None)

@@ -789,8 +789,48 @@ class _Params:
     pass
 
 
+def _response_format(body: dict) -> str | None:
+    """The llguidance grammar of ``response_format`` (``json_object``,
+    ``json_schema``, and the extensions ``regex`` / ``grammar`` (Lark)), or None."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise APIError("'response_format' must be an object with a string 'type'", param="response_format", code="invalid_type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    from ._extras import MissingExtra
+    from .structured import grammar
+
+    try:
+        if kind == "json_object":
+            return grammar("json", None)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("'response_format.json_schema.schema' must be an object", param="response_format",
+                               code="invalid_type")
+            return grammar("json_schema", schema)
+        if kind in ("regex", "grammar"):
+            spec = rf.get(kind)
+            if not isinstance(spec, str) or not spec:
+                raise APIError(f"'response_format.{kind}' must be a non-empty string", param="response_format",
+                               code="invalid_type")
+            return grammar("regex" if kind == "regex" else "lark", spec)
+    except MissingExtra as exc:
+        raise APIError(f"response_format needs structured output on this server: {exc}", param="response_format",
+                       code="unsupported") from None
+    except ValueError as exc:
+        raise APIError(f"response_format: {exc}", param="response_format", code="invalid_value") from None
+    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, regex, grammar)",
+                   param="response_format", code="invalid_value")
+
+
 def _parse_common(body: dict, app_cfg: dict, chat: bool) -> _Params:
     p = _Params()
+    p.grammar = _response_format(body)
     model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
     if model is not None and model != app_cfg["served_model_name"]:
         raise APIError(f"the model '{model}' does not exist; this server serves '{app_cfg['served_model_name']}'",
@@ -917,6 +957,27 @@ def _content_text(content, i: int) -> str:
         return "".join(parts)
     raise APIError(f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content", code="invalid_type")
+
+
+def _has_media(msgs) -> bool:
+    return isinstance(msgs, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image_url", "input_audio") for p in m["content"])
+        for m in msgs
+    )
+
+
+def _chat_media(body: dict, session):
+    """``(prompt ids, media)`` of chat messages with image / audio parts (data URLs
+    and local files only: a remote URL is a 400, never fetched)."""
+    from ._extras import MissingExtra
+    from .media import MediaError, encode_prompt_with_media, split_content_parts
+
+    try:
+        msgs, images, audio = split_content_parts(body["messages"])
+        return encode_prompt_with_media(session, msgs, images, audio)
+    except (MediaError, MissingExtra) as exc:
+        raise APIError(str(exc), param="messages", code="invalid_value") from None
 
 
 def render_chat_fallback(messages: list[dict]) -> str:
@@ -1055,7 +1116,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
                            status=413, code="request_too_large")
         return b"".join(chunks)
 
-    def build_requests(ids: list[int], p: _Params, rid: str, param: str) -> list:
+    def build_requests(ids: list[int], p: _Params, rid: str, param: str, media=None) -> list:
         from .state import Request, SamplingParams
 
         limit = app_cfg["max_context"]
@@ -1076,10 +1137,10 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             elif p.temperature > 0:
                 seed = secrets.randbits(31)  # unseeded rows would otherwise all share key(0)
             sp = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                                repetition_penalty=cfg.sampling.repetition_penalty, seed=seed)
+                                repetition_penalty=cfg.sampling.repetition_penalty, seed=seed, grammar=p.grammar)
             # what engine.make_request builds, without touching the session from this thread
             out.append(Request(id=rid if p.n == 1 else f"{rid}-{i}", prompt=list(ids), max_tokens=mt, sampling=sp,
-                               stop_ids=sched.eos_ids, speculative=p.speculative))
+                               stop_ids=sched.eos_ids, speculative=p.speculative, media=media))
         return out
 
     def prepare(raw: bytes, chat: bool, rid: str):
@@ -1087,11 +1148,14 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         body = parse_body(raw)
         p = _parse_common(body, app_cfg, chat)
         limit, mtc = app_cfg["max_context"], sched.max_token_chars
-        if chat:
+        media = None
+        if chat and _has_media(body.get("messages")):
+            ids, media = _chat_media(body, sched.session)
+        elif chat:
             ids = _chat_ids(body, sched.tokenizer, limit, mtc)
         else:
             ids = _prompt_ids(body, sched.tokenizer, sched.vocab_size, limit, mtc)
-        return p, build_requests(ids, p, rid, "messages" if chat else "prompt")
+        return p, build_requests(ids, p, rid, "messages" if chat else "prompt", media)
 
     def deadline_of(p: _Params, t_arrival: float) -> float | None:
         limits = [t for t in (p.max_time, app_cfg["request_timeout"]) if t is not None]
@@ -1329,6 +1393,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default float32)")
     parser.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                         help="set any config key, e.g. plugins.NAME.key=0.7 (a TOML value); repeatable (default: none)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=256,
+                        help="keep the target's K/V of finished requests (an LRU of this many MiB) so a multi-turn chat "
+                             "prefills only its new turn; 0 = off")
     parser.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
                         help="info: one line per request; debug: also every round (default info)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -1381,7 +1448,7 @@ def serve_config_from_args(args):
             "dtype": getattr(args, "dtype", None),
         },
         "draft": {"block_size": block},
-        "batch": {"max_batch_size": args.max_batch_size},
+        "batch": {"max_batch_size": args.max_batch_size, "prefix_cache_mb": getattr(args, "prefix_cache_mb", None)},
     }
     cfg = load_config(args.config, overrides, sets=getattr(args, "sets", None))
     if cfg.batch.policy == "static":
