@@ -155,23 +155,85 @@ def texts(target):
     return out
 
 
-def test_text_features_are_a_fresh_forward_with_the_targets_own_argmax(target, texts):
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_text_features_are_a_fresh_forward_with_the_targets_own_argmax(target, texts, chunk):
     from mtpflow.train.features import text_features
 
-    got = text_features(target, texts)  # rows of different lengths, left-padded together
+    got = text_features(target, texts, chunk)  # rows of different lengths, left-padded together
     for ex, e in zip(texts, got):
         assert e.tokens.tolist() == ex.tokens.tolist() and e.loss.tolist() == ex.loss.tolist()
         ref = target_pass(target, mx.array(ex.tokens[None]))
         H = np.array(ref["hidden"][0])
+        assert e.hidden.dtype == np.float16
         assert np.abs(H - e.hidden.astype(np.float32)).max() <= 2e-3 * np.abs(H).max()
         for t, (k, v) in ref["kv"].items():
             want = np.array(k[0])
             assert e.kv[t][0].shape == want.shape
             assert np.abs(e.kv[t][0].astype(np.float32) - want).max() <= 2e-3 * np.abs(want).max()
+        # the argmax where the next token carries loss (all the objective reads), -1 elsewhere
         am = np.array(ref["argmax"][0])
-        assert e.argmax.tolist() == am.tolist()
+        wanted = np.append(ex.loss[1:], False)
+        assert e.argmax[wanted].tolist() == am[wanted].tolist() and (e.argmax[~wanted] == -1).all()
         # random text is not the target's greedy output: the stored argmax is not the next token
         assert (am[:-1] != ex.tokens[1:]).any()
+
+
+def test_chunked_queries_give_the_features_of_one_forward(target, texts):
+    from mtpflow.train.features import text_features
+
+    one, chunked = text_features(target, texts, None), text_features(target, texts, 3)
+    for a, b in zip(one, chunked):
+        assert np.array_equal(a.argmax, b.argmax)
+        assert np.abs(a.hidden.astype(np.float32) - b.hidden.astype(np.float32)).max() <= 1e-2
+        for t in a.kv:
+            assert np.abs(a.kv[t][1].astype(np.float32) - b.kv[t][1].astype(np.float32)).max() <= 1e-2
+
+
+def test_a_collection_cut_short_and_resumed_gives_the_cache_of_one_run(target, texts, tmp_path, monkeypatch):
+    import mtpflow.train.features as fm
+
+    many = [type(e)(np.roll(e.tokens, k), e.loss) for k in range(3) for e in texts]  # 12 examples, 6 shards
+    fm.collect_text(target, many, tmp_path / "whole", batch_size=2, progress=False)
+    real, calls = fm.text_features_async, []
+
+    def dies_at_the_fourth_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # stopped while the 4th batch is queued (the 3rd, computing, is lost)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fm, "text_features_async", dies_at_the_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        fm.collect_text(target, many, tmp_path / "cut", batch_size=2, progress=False)
+    monkeypatch.setattr(fm, "text_features_async", real)
+    written = sorted(p.name for p in (tmp_path / "cut").glob("shard-*.npz"))
+    assert len(written) == 2 and not list((tmp_path / "cut").glob("*.tmp*"))  # finished shards only, whole
+    s = fm.collect_text(target, many, tmp_path / "cut", batch_size=2, progress=False)
+    assert s["complete"] and s["examples"] == 8  # the other four shards
+    names = sorted(p.name for p in (tmp_path / "whole").glob("shard-*.npz"))
+    assert sorted(p.name for p in (tmp_path / "cut").glob("shard-*.npz")) == names
+    for name in names:
+        with np.load(tmp_path / "whole" / name) as a, np.load(tmp_path / "cut" / name) as b:
+            assert a.files == b.files
+            for k in a.files:
+                assert np.array_equal(a[k], b[k]), (name, k)
+    # a damaged shard is one line naming it and what to do
+    (tmp_path / "cut" / names[0]).write_bytes(b"PK\x03\x04 cut")
+    with pytest.raises(ValueError, match=f"{names[0]}: unreadable feature shard.*delete it and rerun"):
+        load_features(tmp_path / "cut")
+
+
+def test_the_collection_benchmark_runs_on_the_tiny_target(capsys):
+    from mtpflow.train.features import main
+
+    assert main(["--bench", "--target", str(PAIR_E), "--batch-size", "2", "--max-len", "24", "--batches", "2",
+                 "--rounds", "1"]) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert r["tokens"] == 96 and r["backend"] in ("cpu", "metal", "cuda")
+    for k in ("collect", "collect_pipelined", "one_forward", "mlx_lm_forward"):
+        assert r[k]["tokens_per_s"] > 0, k
+        assert k in err
 
 
 def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts, tmp_path, capsys):
@@ -189,11 +251,14 @@ def test_cached_text_batch_labels_the_targets_argmax_not_the_text(target, texts,
     mx.eval(model.parameters())
     idx = [0, 1, 2, 3]
     tp, (tk, lm, ln) = feature_batch(feats, idx, target, model, unroll=2)
-    # every real position's label is the target's argmax (a live pass), crop offset included
+    # every label position's argmax is the target's (a live pass), crop offset included
     lens, q0, am = np.array(ln), np.array(tp["qpos"])[:, 0], np.array(tp["argmax"])
     for r in range(4):
-        want = np.array(target_pass(target, mx.array(feats[idx[r]].tokens[None]))["argmax"])[0, q0[r]:]
-        assert am[r, : lens[r] - q0[r]].tolist() == want.tolist()
+        f = feats[idx[r]]
+        want = np.array(target_pass(target, mx.array(f.tokens[None]))["argmax"])[0, q0[r]:]
+        wanted = np.append(f.loss[1:], False)[q0[r]:]
+        got = am[r, : lens[r] - q0[r]]
+        assert wanted.any() and got[wanted].tolist() == want[wanted].tolist() and (got[~wanted] == -1).all()
     w = mx.array([0.6, 0.4])
     a = drafter_loss(model, tp, tk, lm, ln, w, 2, "hard")
     full, (tk2, lm2, ln2) = feature_batch(feats, idx, target, model)
