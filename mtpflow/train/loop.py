@@ -432,7 +432,9 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     averaged, rank 0 reads and writes the checkpoint and the log, and every
     rank must hold the same data (``data_id``, a fingerprint).  ``config_id``:
     what the checkpoint must have been written for.  Returns ``(step,
-    acc_ema, tokens_seen, last_log, elapsed_s)``."""
+    acc_ema, tokens_seen, last_log, elapsed_s, speed)``; ``speed``: this
+    sitting's training tokens per second, over all ranks and per device
+    (:func:`mtpflow.train.parallel.throughput`)."""
     ranks = ranks or world()
     rows = ranks.rows(cfg.batch_size)
     if data_id is not None:
@@ -480,23 +482,24 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             if cfg.stop_at is not None and step >= cfg.stop_at:
                 break
             args, lens_np = make_batch(step, rows)
+            n_tok = int(lens_np.sum())
             w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema))
             (loss, per, cor, cnt), grads = grad_fn(model, *args, w)
             if ranks.size > 1:
                 grads = nn.average_gradients(grads, group=ranks.group)
                 # this rank's part of the logged figures, summed over the ranks in one collective
-                part = mx.concatenate([loss[None] / ranks.size, per, cor.astype(mx.float32)])
-                part = ranks.sum(part)
-                loss, per, cor = part[0], part[1: 1 + n_steps_loss], part[1 + n_steps_loss:]
+                part = ranks.sum(mx.concatenate([loss[None] / ranks.size, per, cor.astype(mx.float32),
+                                                 mx.array([n_tok], mx.float32)]))
+                loss, per, cor = part[0], part[1: 1 + n_steps_loss], part[1 + n_steps_loss: 1 + 2 * n_steps_loss]
+                n_tok = part[-1]
             grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
             opt.update(model, grads)
-            mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm)
+            mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm, n_tok)
             step += 1
             cnt_np, cor_np = np.array(cnt), np.array(cor)
             acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
             acc_ema = [cfg.ema * a + (1 - cfg.ema) * b if n > 0 else a for a, b, n in zip(acc_ema, acc, cnt_np)]
-            n_tok = int(lens_np.sum())
-            tokens_seen += n_tok if ranks.size == 1 else int(ranks.sum(mx.array([n_tok], mx.int32)).item())
+            tokens_seen += n_tok if isinstance(n_tok, int) else int(n_tok.item())  # (global: float32 is exact here)
             last = {"step": step, "loss": float(loss.item()), "step_loss": [round(float(x), 5) for x in np.array(per)],
                     "acc": [round(a, 4) for a in acc], "grad_norm": float(gnorm.item()),
                     "lr": float(opt.learning_rate.item()), "tokens_seen": tokens_seen,
