@@ -19,7 +19,7 @@ once per row and position: mlx-lm processors cost ``B * L`` calls a round.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 
 def is_mlx_lm_processor(fn: Callable) -> bool:

@@ -92,23 +92,13 @@ class IsolatingBatcher(Batcher):
         return events
 
     def _join(self, new) -> list[Event]:
-        session = self.session
-        events = []
-        for row in new.rows:
-            row.slot = len(row.generated)
-            events.append(Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished,
-                                finish_reason=row.finish_reason))
+        """:meth:`Batcher._join`; a merge that fails rebuilds the live batch."""
+        events = [Event(request_id=row.request.id, tokens=list(row.generated), finished=row.finished,
+                        finish_reason=row.finish_reason) for row in new.rows]
         try:
-            if self.state is None:
-                self.state = new
-            else:
-                self.state.merge(new)
-                session.sampler.prepare(self.state.rows, session.target.vocab_size)
+            return super()._join(new)
         except Exception as exc:  # the live batch may be half-merged: rebuild it
             return events + self._recover(exc, extra=new.rows)
-        self.started = True
-        self._drop_finished()
-        return events
 
     # ---- isolation ---------------------------------------------------------------------
     def _probe(self, request, with_round: bool) -> Exception | None:

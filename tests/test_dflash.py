@@ -156,37 +156,20 @@ def test_default_policy_may_use_the_checkpoints_whole_block():
 
 
 def test_sampling_is_lossless_with_a_dflash_drafter():
-    from collections import Counter
-
-    import test_sampling_engine as tse
+    from test_sampling_engine import empirical, exact_joint, tv, tv_bound
 
     from mtpflow.state import SamplingParams
 
     s = session(4, batch={"max_batch_size": 4000})
     prompt = _prompt("short")
-    old = tse.PROMPT
-    tse.PROMPT = prompt
-    try:
-        P = tse.exact_joint(s.target, SamplingParams(temperature=0.8, top_k=8), 2)
-        P_wrong = tse.exact_joint(s.target, SamplingParams(temperature=0.8, top_k=6), 2)
-    finally:
-        tse.PROMPT = old
-    n, counts = 8000, Counter()
+    P = exact_joint(s.target, SamplingParams(temperature=0.8, top_k=8), 2, prompt)
+    P_wrong = exact_joint(s.target, SamplingParams(temperature=0.8, top_k=6), 2, prompt)
     s.reset_stats()
-    for start in range(0, n, 4000):
-        reqs = [make_request(s, prompt, max_tokens=3, sampling=SamplingParams(temperature=0.8, top_k=8, seed=start + i),
-                             request_id=str(start + i)) for i in range(4000)]
-        for r in reqs:
-            r.stop_ids = frozenset()
-        got = {r.id: [] for r in reqs}
-        for ev in generate_stream(s, reqs):
-            got[ev.request_id].extend(ev.tokens)
-        counts.update(tuple(v[:2]) for v in got.values())
-    Q = {k: v / n for k, v in counts.items()}
-    assert s.stats.accepted_tokens > 0.1 * n  # the drafter is often right: the accept path runs
-    bound = tse.tv_bound(P, n)
-    assert len(P) <= 64 and tse.tv(P, Q) < bound
-    assert tse.tv(P_wrong, Q) > bound  # the test can fail: a slightly different distribution is far off
+    Q = empirical(s, lambda seed: SamplingParams(temperature=0.8, top_k=8, seed=seed), 2, prompt, n=8000, chunk=4000)
+    assert s.stats.accepted_tokens > 0.1 * 8000  # the drafter is often right: the accept path runs
+    bound = tv_bound(P, 8000)
+    assert len(P) <= 64 and tv(P, Q) < bound
+    assert tv(P_wrong, Q) > bound  # the test can fail: a slightly different distribution is far off
 
 
 # --------------------------------------------------------------------------------------

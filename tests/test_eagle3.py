@@ -16,7 +16,7 @@ from conftest import drive_with_late_joiners
 from mtpflow import hookimpl
 from mtpflow.config import load_config
 from mtpflow.drafters.eagle3.config import check_compatible
-from mtpflow.engine import LoadError, generate, generate_stream, load_session, make_request, target_only_greedy
+from mtpflow.engine import LoadError, generate_stream, load_session, make_request, target_only_greedy
 from mtpflow.errors import IncompatibleDrafter
 from mtpflow.plugins import make_plugin_manager
 from mtpflow.state import AcceptResult, BatchState, RowState
@@ -216,36 +216,15 @@ def test_drafter_cache_after_ragged_rounds_equals_a_fresh_prefill():
 
 
 def test_sampling_is_lossless_with_an_eagle3_drafter():
-    from test_sampling_engine import exact_joint, tv, tv_bound
+    from test_sampling_engine import empirical, exact_joint, tv, tv_bound
 
     from mtpflow.state import SamplingParams
 
     s = session("drafter_default", block=2, batch={"max_batch_size": 4000}, sampling={"temperature": 0.8})
     prompt = _prompts()[1]
-    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=0)
-    import test_sampling_engine as tse
-
-    old = tse.PROMPT
-    tse.PROMPT = prompt
-    try:
-        P = exact_joint(s.target, sp, 2)
-    finally:
-        tse.PROMPT = old
-    n = 8000
-    from collections import Counter
-
-    counts = Counter()
-    for start in range(0, n, 4000):
-        reqs = [make_request(s, prompt, max_tokens=3, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=start + i),
-                             request_id=str(start + i)) for i in range(4000)]
-        for r in reqs:
-            r.stop_ids = frozenset()
-        out = {r.id: [] for r in reqs}
-        for ev in generate_stream(s, reqs):
-            out[ev.request_id].extend(ev.tokens)
-        counts.update(tuple(v[:2]) for v in out.values())
-    Q = {k: v / n for k, v in counts.items()}
-    assert tv(P, Q) < tv_bound(P, n)
+    P = exact_joint(s.target, SamplingParams(temperature=0.8, top_p=0.9, seed=0), 2, prompt)
+    Q = empirical(s, lambda seed: SamplingParams(temperature=0.8, top_p=0.9, seed=seed), 2, prompt, n=8000, chunk=4000)
+    assert tv(P, Q) < tv_bound(P, 8000)
 
 
 # --------------------------------------------------------------------------------------

@@ -43,15 +43,16 @@ class RandomPlugin:
         register("random", RandomDrafter)
 
 
-def exact_joint(target, sp: SamplingParams, depth: int) -> dict:
-    """Target-only probability of every (t1..t_depth) continuation."""
+def exact_joint(target, sp: SamplingParams, depth: int, prompt=None) -> dict:
+    """Target-only probability of every (t1..t_depth) continuation of ``prompt``."""
+    prompt = PROMPT if prompt is None else prompt
     out = {(): 1.0}
     for _ in range(depth):
         prefixes = list(out)  # all the same length: one batched forward per depth
         params = ProcessParams.from_rows([sp] * len(prefixes), target.vocab_size)
         cache = target.make_cache()
         target.set_offsets(cache, mx.zeros((len(prefixes),), dtype=mx.int32))
-        ids = mx.array([PROMPT + list(p) for p in prefixes], dtype=mx.int32)
+        ids = mx.array([list(prompt) + list(p) for p in prefixes], dtype=mx.int32)
         h = target.forward(ids, cache)
         probs = np.exp(np.array(process_logits(target.logits(h[:, -1]), params)))
         nxt = {}
@@ -70,12 +71,15 @@ def tv_bound(P: dict, n: int, delta: float = 1e-6) -> float:
     return mean + math.sqrt(math.log(1 / delta) / (2 * n))
 
 
-def empirical(session, sp_factory, depth):
+def empirical(session, sp_factory, depth, prompt=None, n=N, chunk=CHUNK):
+    """The empirical distribution of the first ``depth`` tokens over ``n``
+    seeded samples of ``prompt`` (EOS ignored), ``chunk`` rows a batch."""
+    prompt = PROMPT if prompt is None else prompt
     counts = Counter()
-    for start in range(0, N, CHUNK):
+    for start in range(0, n, chunk):
         reqs = [
-            make_request(session, PROMPT, max_tokens=depth + 1, sampling=sp_factory(start + i), request_id=str(start + i))
-            for i in range(CHUNK)
+            make_request(session, prompt, max_tokens=depth + 1, sampling=sp_factory(start + i), request_id=str(start + i))
+            for i in range(chunk)
         ]
         for r in reqs:
             r.stop_ids = frozenset()
@@ -83,7 +87,7 @@ def empirical(session, sp_factory, depth):
         for ev in generate_stream(session, reqs):
             out[ev.request_id].extend(ev.tokens)
         counts.update(tuple(v[:depth]) for v in out.values())
-    return {k: v / N for k, v in counts.items()}
+    return {k: v / n for k, v in counts.items()}
 
 
 def tv(P, Q):

@@ -35,7 +35,6 @@ def _finish(row: RowState, new: list[int]) -> list[int]:
 
 @hookimpl
 def mtpflow_prefill(session, requests):
-    target = session.target
     pc = session.prefix_cache
     usable = not session.tap_layers and not hasattr(session.drafter, "prefilled")
     if pc is not None and usable and all(r.media is None for r in requests):

@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..state import DraftBlock
-from ..targets.base import TargetError, read_config
+from ..targets.base import read_config
 from .base import IncompatibleDrafter
 from ..targets.cache import merge_caches
 

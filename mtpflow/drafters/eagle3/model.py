@@ -22,6 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..mtpflow_assistant.model import MLP
+
 from ...targets.base import rope_at as _rope_at
 from .config import Eagle3Config
 
@@ -57,17 +59,6 @@ class Attention(nn.Module):
         B, _, L, _ = q.shape
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):

@@ -27,18 +27,13 @@ A drafter ``config.json``::
 from __future__ import annotations
 
 from ...targets.base import FULL, SLIDING
+from ...targets.mlxlm import _text
 from ..base import IncompatibleDrafter  # noqa: F401  (re-exported)
 from . import MODEL_TYPES
 
 LM_HEADS = ("target", "own")
 
 
-def _text(cfg: dict) -> dict:
-    tc = dict(cfg.get("text_config") or cfg)
-    tc.setdefault("model_type", cfg.get("model_type"))
-    if "vocab_size" not in tc and "vocab_size" in cfg:
-        tc["vocab_size"] = cfg["vocab_size"]
-    return tc
 
 
 def target_class(target_config: dict):

@@ -48,6 +48,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (the drafters' shared MLP)."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
