@@ -35,9 +35,10 @@ def random_drafter(target_path, out, seed=0, **opts):
     mx.random.seed(seed)
     m = GenericAssistantModel(cfg)
     m.post_projection.weight = mx.random.normal(m.post_projection.weight.shape) * 0.05
-    if "draft_vocab" in m:
+    if m.has_draft_vocab:
         V = cfg["vocab_size"]
-        m.draft_vocab = mx.array(np.sort(np.random.default_rng(seed).choice(V, cfg["draft_vocab_size"], replace=False)).astype(np.int32))
+        m.set_draft_vocab(mx.array(np.sort(np.random.default_rng(seed).choice(V, cfg["draft_vocab_size"], replace=False)).astype(np.int32)))
+        assert np.array_equal(np.array(m.draft_vocab), np.array(m.lm_head.draft_vocab))
     save_drafter(m, out)
     return out
 

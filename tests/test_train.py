@@ -128,6 +128,20 @@ def test_draft_vocab_ranks_by_training_and_extra_frequencies():
     assert choose_draft_vocab(ex, 10, 2, always=[9]).tolist() == [5, 9]  # EOS is always draftable
 
 
+def test_training_with_a_draft_vocabulary_saves_the_ranked_one(target, examples, tmp_path):
+    """``draft_vocab_size`` through ``train``: the saved head holds the data's most
+    frequent answer tokens (plus EOS), and the drafter loads and drafts within them."""
+    from mtpflow.train.loop import choose_draft_vocab
+
+    K = 64
+    train(target, {**DRAFTER, "draft_vocab_size": K}, "selfgen", tmp_path / "dv", examples=examples, steps=2, **FAST)
+    saved = mx.load(str(tmp_path / "dv" / "model.safetensors"))
+    key = next(k for k in saved if k.endswith("draft_vocab"))
+    want = choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids))
+    assert np.array_equal(np.array(saved[key]), want)
+    assert not np.array_equal(want, np.arange(K))  # ranked, not the initial identity
+
+
 def test_warm_start_continues_from_a_trained_drafter(trained, target, examples, tmp_path):
     out, _, log, *_ = trained
     # zero steps from the trained folder: the saved drafter is its weights, unchanged

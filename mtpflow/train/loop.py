@@ -622,7 +622,7 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
         extra = None
         if cfg.vocab_data:
             extra = data_mod.load_examples(cfg.vocab_data, _load_tokenizer(target), max_len=4096, target=target, seed=cfg.seed)
-        model.draft_vocab = mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids), extra))
+        model.set_draft_vocab(mx.array(choose_draft_vocab(examples, target.vocab_size, K, sorted(target.eos_ids), extra)))
     n_tokens_ex = [int(e.loss.sum()) for e in examples]
 
     def loss_fn(m, tp, toks, lmask, lens):

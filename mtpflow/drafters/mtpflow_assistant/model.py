@@ -171,8 +171,9 @@ class GenericAssistantModel(nn.Module):
     def draft_vocab(self) -> mx.array:
         return self.lm_head.draft_vocab
 
-    @draft_vocab.setter
-    def draft_vocab(self, ids: mx.array) -> None:
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        """Replace the draft vocabulary (a method: ``nn.Module`` stores an array
+        assigned to an attribute in its own dict, bypassing a property setter)."""
         self.lm_head.draft_vocab = ids
 
     def head_logits(self, z: mx.array) -> mx.array:
