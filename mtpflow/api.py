@@ -97,6 +97,11 @@ class Sampler(Protocol):
     def accept(self, logits: Any, draft: DraftBlock, state: BatchState) -> AcceptResult:
         """Accepted counts and emitted tokens from ``[B, k+1, V]`` target logits."""
 
+    # Optional: ``lookahead_safe(state) -> bool``: whether a round that drafts
+    # nothing may build the next one on this round's lazy tokens, before they
+    # reach the host (false when the sampling reads host-side history:
+    # processors, repetition penalties, grammars).  Absent: never.
+
 
 @runtime_checkable
 class LogitsProcessor(Protocol):
@@ -155,6 +160,11 @@ class BlockPolicy(Protocol):
 
     def observe(self, record: RoundRecord) -> None:
         """Called after every round with its record (plain numbers)."""
+
+    # Optional: ``peek(stats) -> int | None``: what the next ``block_size`` call
+    # will most likely return, with no side effects (``None``: no guess).  When
+    # it says 1, a round that drafts nothing builds the next one before its
+    # sync; a wrong guess costs one verify, never a token.
 
 
 @runtime_checkable

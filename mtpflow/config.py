@@ -144,7 +144,9 @@ class GenerationConfig:
 class TraceConfig:
     #: write one JSON line per round here
     file: str | None = None
-    #: synchronise after drafting to split draft / verify time exactly (2 syncs per round)
+    #: synchronise after drafting to split draft / verify time exactly (2 syncs
+    #: per round); also turns off the null path's lookahead, whose overlapped
+    #: rounds have no separate verify time
     sync_timing: bool = False
 
 

@@ -456,6 +456,8 @@ class Batcher:
         if st is None:
             return
         keep = [i for i, r in enumerate(st.rows) if not r.finished]
+        if len(keep) != st.size:
+            st.settle()  # the cache holds exactly the accepted positions again
         pc = self.session.prefix_cache
         if pc is not None and len(keep) != st.size:
             for i, r in enumerate(st.rows):

@@ -57,9 +57,11 @@ class SpecDecodingStats:
     verify_s: float = 0.0
     host_s: float = 0.0
     syncs: int = 0
+    overlapped: int = 0
 
     def observe(self, record) -> None:
         self.rounds += 1
+        self.overlapped += record.overlapped
         self.row_rounds += record.batch_size
         self.emitted_tokens += sum(record.emitted)
         self.produced_tokens += sum(record.produced_tokens)
@@ -108,6 +110,7 @@ class SpecDecodingStats:
             "verify_s": round(self.verify_s, 6),
             "host_s": round(self.host_s, 6),
             "syncs_per_round": round(self.syncs / self.rounds, 3) if self.rounds else 0.0,
+            "overlapped_rounds": self.overlapped,
         }
 
 

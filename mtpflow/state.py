@@ -240,15 +240,31 @@ class BatchState:
     fwd_tokens: Any = array_field(default=None)
     fwd_positions: Any = array_field(default=None)
     taps: dict = array_field(factory=dict)
+    #: the next round's verify, built before this round's sync so that its
+    #: graph building overlaps this round's compute (the null path only, see
+    #: :class:`Lookahead`); ``None`` when none is pending
+    lookahead: Any = array_field(default=None)
 
     @property
     def size(self) -> int:
         return len(self.rows)
 
+    def settle(self) -> None:
+        """Drop a pending :attr:`lookahead`: its slot leaves every cache, which
+        then holds exactly the rows' accepted positions again.  Called before
+        anything but the next null round touches the cache."""
+        la, self.lookahead = self.lookahead, None
+        if la is None:
+            return
+        for c in self.cache:
+            c.trim(1)
+            c.offset = self.positions
+
     def select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (in that order): rows that finished leave."""
         import mlx.core as mx
 
+        self.settle()
         idx = mx.array(keep, dtype=mx.int32)
         for c in self.cache:
             c.select(idx)
@@ -267,6 +283,7 @@ class BatchState:
 
         from .targets.cache import merge_caches
 
+        self.settle()
         self.cache = merge_caches([self.cache, new.cache])
         self.rows = self.rows + new.rows
         self.last_tokens = mx.concatenate([self.last_tokens, new.last_tokens])
@@ -274,6 +291,19 @@ class BatchState:
         self.positions = mx.concatenate([self.positions, new.positions])
         self.fwd_tokens = self.fwd_positions = None  # consumed by the drafter already
         self.taps = {}
+
+
+@frozen
+class Lookahead:
+    """A null round's verify of the next round, built before this round's sync
+    (mlx-lm's ``generate_step`` overlaps the same way): its inputs are this
+    round's lazy tokens, its K/V already sit in the cache one slot past the
+    accepted positions.  The next round adopts it when it drafts nothing and
+    the rows are the same; otherwise :meth:`BatchState.settle` drops it."""
+
+    rows: tuple  # the row objects it was built for
+    verify: Any = array_field()
+    accepted: Any = array_field()
 
 
 @frozen(kw_only=True)
@@ -297,6 +327,9 @@ class RoundRecord:
     #: the stop token that ended the row (produced, not emitted); ``None`` =
     #: same as ``emitted``.  τ counts these (see :mod:`mtpflow.metrics`).
     produced: list[int] | None = None
+    #: the round's verify was built during the previous round's compute (the
+    #: null path's lookahead, see :class:`Lookahead`)
+    overlapped: bool = False
 
     @property
     def produced_tokens(self) -> list[int]:

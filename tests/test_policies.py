@@ -142,6 +142,30 @@ def test_default_policy_falls_back_to_target_only_on_a_wrong_drafter():
     assert s.stats.accepted_tokens == 0
     assert len(drafting) <= 20, sizes  # a few rounds to learn, then rare, ever rarer tries
     assert sizes[-40:].count(1) >= 39, sizes
+    # those null rounds are built ahead (the lookahead): most rounds adopt one
+    assert sum(r.overlapped for r in rounds.records) >= len(sizes) // 2, sizes
+
+
+def test_adaptive_peek_foretells_block_size_without_moving_it():
+    """``peek`` is what ``block_size`` returns next (or ``None``), and calling it
+    changes nothing: the same run with and without peeks chooses the same sizes."""
+    cfg = load_config(overrides={"draft": {"block_size": 4, "max_block_size": 8, "policy": "adaptive"}})
+    verify = lambda k: 0.1 * (1 + 0.057 * (k - 1))  # noqa: E731
+    plain = simulate(AdaptiveBlockPolicy(cfg), 0.0, 0.004, verify, rounds=600)
+
+    class Peeking(AdaptiveBlockPolicy):
+        def block_size(self, stats):
+            self.guess = self.peek(stats)
+            k = super().block_size(stats)
+            self.guesses.append((self.guess, k))
+            return k
+
+    pol = Peeking(cfg)
+    pol.guesses = []
+    assert simulate(pol, 0.0, 0.004, verify, rounds=600) == plain
+    said = [(g, k) for g, k in pol.guesses if g is not None]
+    assert len(said) >= 500 and all(g == k for g, k in said), [x for x in said if x[0] != x[1]]
+    assert any(g is None and k > 1 for g, k in pol.guesses)  # the exploring rounds are not promised
 
 
 def _tree_world(policy, rounds, chain_p, tree_tokens, tree_cost, verify, step=0.004):

@@ -30,6 +30,10 @@ class FixedBlockPolicy:
     def block_size(self, stats):
         return self.tree if self.tree is not None else self.size
 
+    def peek(self, stats):
+        """The next round's block size (no side effects)."""
+        return self.block_size(stats)
+
     def observe(self, record) -> None:
         pass
 
@@ -181,6 +185,17 @@ class AdaptiveBlockPolicy:
             if best + self._flip < 1 or best + self._flip > self.max_k:
                 self._flip = -self._flip
             return best + self._flip
+        return best
+
+    def peek(self, stats):
+        """What :meth:`block_size` will most likely return next (``None``: no
+        guess), without its side effects: the round loop builds the next round
+        early when it will draft nothing.  A wrong guess costs one verify."""
+        if self.start not in self.verify or 1 not in self.verify or self.trees:
+            return None
+        best = self.best()
+        if best == self._best and self.rounds + 1 >= self._next and self.max_k > 1:
+            return None  # a neighbour will be tried
         return best
 
     def observe(self, record) -> None:

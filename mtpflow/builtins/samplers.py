@@ -75,6 +75,11 @@ class GreedySampler(_Processors):
     def supports_trees(self, state) -> bool:
         return not self.processors and not self._constrained(state.rows)  # they read the drafts as a chain
 
+    def lookahead_safe(self, state) -> bool:
+        """Whether the next null round can be built before this round's tokens
+        reach the host: nothing here reads them (processors and grammars do)."""
+        return not self.processors and not self._constrained(state.rows)
+
     def accept(self, logits, draft, state):
         import mlx.core as mx
 
@@ -141,6 +146,11 @@ class RejectionSampler(_Processors):
         (configured processors and repetition penalties see a chain)."""
         self._sync(state.rows)
         return not self.processors and not self.params.use_repetition and not self._constrained(state.rows)
+
+    def lookahead_safe(self, state) -> bool:
+        """As :meth:`supports_trees`: noise keyed by position needs no host
+        state, repetition penalties and processors read the tokens."""
+        return self.supports_trees(state)
 
     def sampling_of(self, row):
         """The :class:`~mtpflow.state.SamplingParams` a row is sampled with

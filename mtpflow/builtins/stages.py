@@ -12,7 +12,18 @@ import attrs
 import mlx.core as mx
 
 from mtpflow import hookimpl
-from mtpflow.state import AcceptResult, BatchState, DraftBlock, RoundRecord, RowState, SharedKV, TreeShape, VerifyResult
+from mtpflow.logs import debug_enabled
+from mtpflow.state import (
+    AcceptResult,
+    BatchState,
+    DraftBlock,
+    Lookahead,
+    RoundRecord,
+    RowState,
+    SharedKV,
+    TreeShape,
+    VerifyResult,
+)
 
 PAD_ID = 0
 
@@ -215,8 +226,9 @@ def mtpflow_advance(session, state, draft, verify, accepted):
     else:
         trim = k - max(counts)
         ragged = min(counts) != max(counts)
-        for c in state.cache:
-            c.rollback(k + 1, keep, next_pos, trim, ragged)
+        if state.lookahead is None:  # else: a null round whose successor already holds the next slot
+            for c in state.cache:
+                c.rollback(k + 1, keep, next_pos, trim, ragged)
         state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
         if verify.taps:  # the verified block, for a drafter that reads target layers
             rel = mx.arange(k + 1, dtype=mx.int32)[None]
@@ -230,11 +242,48 @@ def mtpflow_advance(session, state, draft, verify, accepted):
         emitted.append(_finish(row, t[: n + 1]))
     if session.drafter_commit is not None:
         session.drafter_commit(session, state, accepted)  # the drafter's own state follows acceptance
-    session.target.compact(
-        state.cache, n_valid_max=max(r.position for r in state.rows), min_positions=[r.position for r in state.rows]
-    )
+    if state.lookahead is None:
+        session.target.compact(
+            state.cache, n_valid_max=max(r.position for r in state.rows), min_positions=[r.position for r in state.rows]
+        )
     state.round += 1
     return emitted
+
+
+def _next_round_null(session, state, remaining: int) -> bool:
+    """Whether this null round may build the next one before its sync: the
+    next round will (most likely) draft nothing, every row goes on after this
+    round, and the sampler reads nothing the host learns only at the sync
+    (mlx-lm processors, repetition penalties and grammars read the tokens)."""
+    if session.config.trace.sync_timing or remaining < 2:
+        return False
+    if any(r.finished or r.request.max_tokens - len(r.generated) < 2 for r in state.rows):
+        return False
+    safe = getattr(session.sampler, "lookahead_safe", None)
+    if safe is None or not safe(state):
+        return False
+    if session.drafter is None or not any(r.request.speculative for r in state.rows):
+        return True
+    budget = remaining - 1 if getattr(session.drafter, "drafts_to_budget", False) else remaining - 2
+    if budget <= 0:
+        return True
+    peek = getattr(session.block_policy, "peek", None)
+    return peek is not None and peek(session.stats) == 1
+
+
+def _lookahead(session, state, draft, acc) -> None:
+    """Build the next null round's verify on this round's lazy tokens and start
+    it: its graph building overlaps this round's compute.  The cache is first
+    compacted as this round's advance would (every row moves one position),
+    then the next forward's K/V take the slot after it."""
+    nxt = [r.position + 1 for r in state.rows]
+    session.target.compact(state.cache, n_valid_max=max(nxt), min_positions=nxt)
+    view = attrs.evolve(state, last_tokens=acc.tokens[:, 0], positions=state.positions + 1)
+    hook = session.hook
+    verify = hook.mtpflow_verify(session=session, state=view, draft=draft)
+    accepted = hook.mtpflow_accept(session=session, state=view, draft=draft, verify=verify)
+    mx.async_eval(accepted.counts, accepted.tokens, verify.hidden)
+    state.lookahead = Lookahead(rows=tuple(state.rows), verify=verify, accepted=accepted)
 
 
 @hookimpl
@@ -254,6 +303,9 @@ def mtpflow_round_protocol(session, state):
         block, tree = min(tree.levels, max(budget, 0)) + 1, None  # too deep for the budget: a chain
     n_draft = (tree.nodes if tree is not None else max(0, min(block - 1, budget))) if drafting else 0
     B = state.size
+    ahead = state.lookahead
+    if ahead is not None and (n_draft > 0 or len(ahead.rows) != B or any(a is not b for a, b in zip(ahead.rows, state.rows))):
+        state.settle()  # the round built ahead is not this one
     if n_draft > 0:
         shared = hook.mtpflow_bind_shared_kv(session=session, state=state)
         draft = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=n_draft + 1, tree=tree)
@@ -265,15 +317,25 @@ def mtpflow_round_protocol(session, state):
     else:
         draft = DraftBlock(tokens=mx.zeros((B, 0), dtype=mx.int32), n_draft=0)
     t1 = time.perf_counter()
-    verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
-    acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
+    ahead, state.lookahead = state.lookahead, None
+    if ahead is not None:  # built by the previous round, already computing
+        verify, acc = ahead.verify, ahead.accepted
+    else:
+        verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
+        acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
+    outputs = (acc.counts, acc.tokens, verify.hidden, *(() if acc.path is None else (acc.path,)))
+    if n_draft == 0 and _next_round_null(session, state, remaining):
+        mx.async_eval(*outputs)
+        _lookahead(session, state, draft, acc)
     # the round's single host synchronisation
-    mx.eval(acc.counts, acc.tokens, verify.hidden, *(() if acc.path is None else (acc.path,)))
+    mx.eval(*outputs)
     t2 = time.perf_counter()
     host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist(),
                         path=None if acc.path is None else acc.path.tolist())
     live = [not r.finished for r in state.rows]
     emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)
+    if state.lookahead is not None and any(r.finished for r in state.rows):
+        state.settle()  # the batch changes: the next round is not the one built
     # tokens each row's target forward produced: the emitted ones, plus the
     # stop token that ended the row (it was produced, just not emitted)
     produced = [len(e) + (was and r.finish_reason == "stop") for e, r, was in zip(emitted, state.rows, live)]
@@ -292,6 +354,7 @@ def mtpflow_round_protocol(session, state):
         syncs=2 if (n_draft > 0 and session.config.trace.sync_timing) else 1,
         nodes=n_draft,
         tree=tree.describe() if draft.is_tree and tree is not None else None,
+        overlapped=ahead is not None,
     )
     session.stats.observe(record)
     session.block_policy.observe(record)
@@ -301,4 +364,5 @@ def mtpflow_round_protocol(session, state):
 
 @hookimpl
 def mtpflow_emit(session, record, emitted):
-    session.log.debug("round", **record.as_event())
+    if debug_enabled(session.log):
+        session.log.debug("round", **record.as_event())

@@ -1,0 +1,139 @@
+"""The null path's lookahead: a round that drafts nothing builds the next
+round's verify before its own sync (as mlx-lm's ``generate_step``).  Outputs
+must be exactly those without it: greedy equals target-only, seeded sampling is
+the same stream, and ragged, stopping and joining rows drop a stale lookahead."""
+
+import json
+
+import pytest
+from conftest import FIXTURES, drive_with_late_joiners, make_session, reference
+
+from mtpflow.builtins import stages
+from mtpflow.engine import generate_stream, make_request
+from mtpflow.state import SamplingParams
+
+
+def prompt(pair, name):
+    return json.loads((FIXTURES / f"pair_{pair}" / f"generate_{name}.json").read_text())["prompt_ids"]
+
+
+@pytest.fixture(scope="module")
+def s1():
+    return make_session("e", block_size=1)
+
+
+def run(session, reqs):
+    session.reset_stats()
+    out = {r.id: [] for r in reqs}
+    finish = {}
+    for ev in generate_stream(session, reqs):
+        out[ev.request_id].extend(ev.tokens)
+        if ev.finish_reason is not None:
+            finish[ev.request_id] = ev.finish_reason
+    return out, finish
+
+
+def no_lookahead(monkeypatch):
+    monkeypatch.setattr(stages, "_next_round_null", lambda *a, **k: False)
+
+
+def test_null_rounds_overlap_and_match_target_only(s1):
+    for name in ("short", "long"):  # "long" runs past the 16-token sliding window
+        ids = prompt("e", name)
+        req = make_request(s1, ids, max_tokens=40)
+        out, finish = run(s1, [req])
+        assert out[req.id] == reference(s1, ids, 40)
+        assert finish[req.id] == "length"
+        st = s1.stats.as_dict()
+        # every round but the first adopts the one built ahead of it; the last builds none
+        assert st["overlapped_rounds"] == s1.stats.rounds - 1 > 30
+        assert s1.stats.syncs == s1.stats.rounds
+
+
+def test_long_generation_past_the_window_many_times(s1):
+    ids = prompt("e", "long") * 3
+    req = make_request(s1, ids, max_tokens=100)
+    out, _ = run(s1, [req])
+    assert out[req.id] == reference(s1, ids, 100)
+    assert s1.stats.overlapped > 90
+
+
+def test_ragged_budgets_and_stops_drop_the_stale_lookahead(s1):
+    ids = [prompt("e", "short"), prompt("e", "long"), prompt("e", "short")[3:]]
+    budgets = [7, 30, 19]
+    reqs = [make_request(s1, p, max_tokens=n) for p, n in zip(ids, budgets)]
+    # a stop token the target produces mid-way for the third row
+    ref3 = reference(s1, ids[2], 19)
+    reqs[2].stop_ids = frozenset({ref3[11]})
+    out, finish = run(s1, reqs)
+    assert out[reqs[0].id] == reference(s1, ids[0], 7)
+    assert out[reqs[1].id] == reference(s1, ids[1], 30)
+    stop_at = ref3.index(ref3[11])
+    assert out[reqs[2].id] == ref3[:stop_at]
+    assert finish[reqs[2].id] == "stop" and finish[reqs[0].id] == "length"
+    assert s1.stats.overlapped > 0
+
+
+def test_late_joiners_settle_the_lookahead(s1):
+    first = [make_request(s1, prompt("e", "short"), max_tokens=24)]
+    late = [make_request(s1, prompt("e", "long"), max_tokens=16), make_request(s1, prompt("e", "short")[2:], max_tokens=9)]
+    s1.reset_stats()
+    out = drive_with_late_joiners(s1, first, late, join_after=5)
+    for r in first + late:
+        assert out[r.id] == reference(s1, r.prompt, r.max_tokens), r.id
+    assert s1.stats.overlapped > 0
+
+
+class _Alternating:
+    """A block policy whose ``peek`` always promises a null round but which
+    drafts every third round: each such round must drop the round built ahead."""
+
+    def __init__(self):
+        self.n = 0
+
+    def block_size(self, stats):
+        self.n += 1
+        return 3 if self.n % 3 == 0 else 1
+
+    def peek(self, stats):
+        return 1
+
+    def observe(self, record):
+        pass
+
+
+def test_a_wrong_peek_costs_a_verify_not_a_token():
+    s = make_session("e", block_size=1)
+    s.block_policy = _Alternating()
+    for name in ("short", "long"):
+        ids = prompt("e", name)
+        req = make_request(s, ids, max_tokens=40)
+        out, _ = run(s, [req])
+        assert out[req.id] == reference(s, ids, 40)
+        assert s.stats.draft_tokens > 0 and s.stats.overlapped > 0
+
+
+def test_seeded_sampling_is_the_same_stream_with_and_without(monkeypatch):
+    s = make_session("e", block_size=1, sampling={"temperature": 0.9})
+    ids = [prompt("e", "short"), prompt("e", "long")]
+
+    def reqs():
+        return [make_request(s, p, max_tokens=32, sampling=SamplingParams(temperature=1.0, seed=11 + i))
+                for i, p in enumerate(ids)]
+
+    on, _ = run(s, reqs())
+    assert s.stats.overlapped > 0
+    with monkeypatch.context() as m:
+        no_lookahead(m)
+        off, _ = run(s, reqs())
+        assert s.stats.overlapped == 0
+    assert list(on.values()) == list(off.values())
+    assert any(o != reference(s, p, 32) for o, p in zip(on.values(), ids))  # it really sampled
+
+
+def test_processors_and_sync_timing_turn_it_off():
+    s = make_session("e", block_size=1, trace={"sync_timing": True})
+    req = make_request(s, prompt("e", "short"), max_tokens=12)
+    out, _ = run(s, [req])
+    assert out[req.id] == reference(s, prompt("e", "short"), 12)
+    assert s.stats.overlapped == 0
