@@ -171,6 +171,7 @@ class DraftModelDrafter:
     def _invalidate_from(self, limit: mx.array) -> None:
         """Mark every slot at a position ``>= limit[b]`` of row ``b`` empty."""
         for c in self.cache:
+            c.dense = False  # holes from here on
             if c.idx:
                 pos = c.positions[:, : c.idx]
                 c.positions[:, : c.idx] = mx.where(pos >= limit[:, None], -1, pos)

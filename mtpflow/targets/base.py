@@ -16,6 +16,7 @@ their own positions:
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,13 @@ def read_eos_ids(path: Path, config: dict) -> set[int]:
         if v is not None:
             ids.update(v if isinstance(v, list) else [v])
     return {int(i) for i in ids}
+
+
+
+@partial(mx.compile, shapeless=True)
+def _softcap(logits: mx.array, cap: mx.array) -> mx.array:
+    """``tanh(logits / cap) * cap`` as one fused op (mlx-lm compiles it too)."""
+    return mx.tanh(logits / cap) * cap
 
 
 class Ref:
@@ -173,7 +181,7 @@ class TargetAdapter:
     def softcapped(self, logits: mx.array) -> mx.array:
         """``logits`` through the target's final softcapping (if any)."""
         cap = self.softcap
-        return mx.tanh(logits / cap) * cap if cap else logits
+        return _softcap(logits, mx.array(cap, dtype=logits.dtype)) if cap else logits
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
         """The LM head's output before any softcapping."""
@@ -293,6 +301,8 @@ class TargetAdapter:
         tokens = mx.array([[pad_id] * (L - n) + list(p) for p, n in zip(seqs, lens)], dtype=mx.int32)
         cache = self.make_cache(extra=extra)
         self.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+        for c in cache:
+            c.dense = min(lens) == L  # no left padding
         chunks: dict = {lid: [] for lid in taps}
         for s in range(0, L, step):
             hidden, got = self.forward_with_taps(tokens[:, s : s + step], cache, taps)

@@ -39,6 +39,12 @@ class SlotKVCache:
         self.positions = None  # [B, cap] int32
         self.idx = 0  # slots in use
         self.offset = None  # [B] int32, position of the next token per row
+        #: host-side: every used slot is valid and every row holds the same
+        #: consecutive positions (equal-length prompts, no holes); then a
+        #: single query needs no mask (and a sliding layer sees its last
+        #: ``window`` slots), as with mlx-lm's own caches.  Only the target's
+        #: prefill sets it; whatever may leave a hole clears it.
+        self.dense = False
         #: a tree verify in progress: ``(positions [B, N], visible [B, N, N])``
         #: -- the new slots' positions (root + depth) and which of them each
         #: query sees (its ancestors and itself), see :meth:`tree`
@@ -70,10 +76,19 @@ class SlotKVCache:
         self.values[..., prev : self.idx, :] = values
         if self._tree is not None:
             self.positions[:, prev : self.idx] = self._tree[0]
+            self.offset = self.offset + L
         else:
-            self.positions[:, prev : self.idx] = self.offset[:, None] + mx.arange(L, dtype=mx.int32)[None]
-        self.offset = self.offset + L
+            new_pos, self.offset = _advance(self.offset, L)
+            self.positions[:, prev : self.idx] = new_pos
+            if self._windowed(L):  # the slots a single query sees (see make_mask)
+                lo = self.idx - self.window
+                return self.keys[..., lo : self.idx, :], self.values[..., lo : self.idx, :]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def _windowed(self, N: int) -> bool:
+        """A dense sliding cache past its window, read by one query: attention
+        runs over the last ``window`` slots with no mask."""
+        return self.dense and N == 1 and self.window is not None and self.idx > self.window
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
         """Mask ``[B, 1, N, idx + N]`` for the next ``N`` queries (called before
@@ -81,6 +96,17 @@ class SlotKVCache:
         window = window_size if window_size is not None else self.window
         if self._tree is not None:
             return self._tree_mask(N, window)
+        if self.dense and (window_size is None or window_size == self.window):
+            if N == 1:
+                return None  # every slot it is given is visible (see _windowed)
+            if self.window is None and not return_array:
+                return "causal"
+        if N == 1 and self.idx:
+            # one query per row (a null round): the cache never holds a slot
+            # past it, so it sees the valid old slots inside its window and itself
+            old = self.positions[:, : self.idx]
+            seen = old >= 0 if window is None else old > mx.maximum(self.offset - window, -1)[:, None]
+            return mx.pad(seen, ((0, 0), (0, 1)), constant_values=True)[:, None, None]
         q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
         old = self.positions[:, : self.idx] if self.idx else mx.zeros((q.shape[0], 0), mx.int32)
         kv = mx.concatenate([old, q], axis=1)  # [B, S]
@@ -124,6 +150,7 @@ class SlotKVCache:
         start = self.idx - block
         tail = self.positions[:, start : self.idx]
         self.positions[:, start : self.idx] = mx.where(keep, tail, -1)
+        self.dense = False
         self.idx -= trim
         self.offset = next_pos
 
@@ -165,6 +192,7 @@ class SlotKVCache:
             rel = mx.arange(block, dtype=mx.int32)[None]
             tail = self.positions[:, start : self.idx]
             self.positions[:, start : self.idx] = mx.where(rel < keep[:, None], tail, -1)
+            self.dense = False
         self.idx -= trim
         self.offset = next_pos
 
@@ -197,6 +225,23 @@ class SlotKVCache:
         self.values = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
         self.positions = newpos.reshape(B, n_keep)
         self.idx = n_keep
+
+
+_last_advance: tuple = (None, 0, None, None)
+
+
+def _advance(offset: mx.array, L: int):
+    """``(positions of the next L slots [B, L], offset + L)``; the layers of one
+    forward share an ``offset`` array, so they share these too (a one-entry
+    memo: one graph node per forward instead of one per layer)."""
+    global _last_advance
+    o, n, pos, nxt = _last_advance
+    if o is offset and n == L:
+        return pos, nxt
+    pos = offset[:, None] + mx.arange(L, dtype=mx.int32)[None]
+    nxt = offset + L
+    _last_advance = (offset, L, pos, nxt)
+    return pos, nxt
 
 
 def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
