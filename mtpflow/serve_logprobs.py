@@ -109,6 +109,11 @@ class LogprobRecorder:
         head, self.out[request_id] = got[:n], got[n:]
         return head + [None] * (n - len(head))
 
+    def lookahead_safe(self, state) -> bool:
+        """The null path may build the next round early only while no row asks
+        for log-probabilities (each accept call replaces the pending ones)."""
+        return not self.wanted or self._top(state.rows) is None
+
     def _top(self, rows) -> int | None:
         tops = [self.wanted[r.request.id] for r in rows if r.request.id in self.wanted]
         return max(tops) if tops else None

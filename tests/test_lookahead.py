@@ -137,3 +137,40 @@ def test_processors_and_sync_timing_turn_it_off():
     out, _ = run(s, [req])
     assert out[req.id] == reference(s, prompt("e", "short"), 12)
     assert s.stats.overlapped == 0
+
+
+class _AcceptWatcher:
+    """A plugin wrapping ``mtpflow_accept``: it must see one accept per round, in
+    round order, unless it says it copes with the lookahead."""
+
+    from mtpflow import hookimpl as _hookimpl
+
+    def __init__(self, safe=None):
+        self.calls = 0
+        self.rounds = []
+        if safe is not None:
+            self.lookahead_safe = lambda state: safe
+
+    @_hookimpl(wrapper=True)
+    def mtpflow_accept(self, session, state, draft, verify):
+        self.calls += 1
+        return (yield)
+
+    @_hookimpl
+    def mtpflow_emit(self, session, record, emitted):
+        self.rounds.append(self.calls)
+
+
+@pytest.mark.parametrize("safe", [None, False, True])
+def test_a_plugin_on_the_round_stages_turns_it_off_unless_it_copes(safe):
+    from mtpflow.plugins import make_plugin_manager
+
+    w = _AcceptWatcher(safe)
+    s = make_session("e", block_size=1, plugins=make_plugin_manager([w], autoload=False))
+    ids = prompt("e", "short")
+    out, _ = run(s, [make_request(s, ids, max_tokens=16)])
+    assert list(out.values())[0] == reference(s, ids, 16)
+    if safe:
+        assert s.stats.overlapped > 0 and w.rounds[0] == 2  # the next round's accept came before this emit
+    else:
+        assert s.stats.overlapped == 0 and w.rounds == list(range(1, s.stats.rounds + 1))

@@ -260,7 +260,7 @@ def _next_round_null(session, state, remaining: int) -> bool:
     if any(r.finished or r.request.max_tokens - len(r.generated) < 2 for r in state.rows):
         return False
     safe = getattr(session.sampler, "lookahead_safe", None)
-    if safe is None or not safe(state):
+    if safe is None or not safe(state) or not _hooks_allow_lookahead(session, state):
         return False
     if session.drafter is None or not any(r.request.speculative for r in state.rows):
         return True
@@ -269,6 +269,28 @@ def _next_round_null(session, state, remaining: int) -> bool:
         return True
     peek = getattr(session.block_policy, "peek", None)
     return peek is not None and peek(session.stats) == 1
+
+
+#: the stages a lookahead calls early (verify, accept) or changes (advance)
+_LOOKAHEAD_HOOKS = ("mtpflow_verify", "mtpflow_accept", "mtpflow_advance")
+
+
+def _hooks_allow_lookahead(session, state) -> bool:
+    """A plugin implementing (or wrapping) one of those stages sees them in
+    round order unless it says, through ``lookahead_safe(state)``, that it
+    copes with the next round's verify and accept arriving before this
+    round's advance and emit."""
+    import sys
+
+    here = sys.modules[__name__]
+    for name in _LOOKAHEAD_HOOKS:
+        for impl in getattr(session.hook, name).get_hookimpls():
+            if impl.plugin is here:
+                continue
+            ok = getattr(impl.plugin, "lookahead_safe", None)
+            if ok is None or not ok(state):
+                return False
+    return True
 
 
 def _lookahead(session, state, draft, acc) -> None:
