@@ -479,10 +479,14 @@ class Batcher:
         admit = session.batch_policy.admit(self.waiting, self.live, self.started)
         if admit:
             self.waiting = self.waiting[len(admit) :]
-            events.extend(self._join(session.hook.mtpflow_prefill(session=session, requests=admit)))
+            events.extend(self._admit(admit))
         if self.state is not None:
             events.extend(self._run_round())
         return events
+
+    def _admit(self, requests) -> list[Event]:
+        """Prefill ``requests`` and join them to the live batch (their first tokens)."""
+        return self._join(self.session.hook.mtpflow_prefill(session=self.session, requests=requests))
 
     def _join(self, new) -> list[Event]:
         """Merge freshly prefilled rows into the batch; their first tokens' events."""

@@ -69,27 +69,26 @@ class IsolatingBatcher(Batcher):
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[Event]:
-        session = self.session
-        events: list[Event] = []
-        self._drop_finished()
-        admit = session.batch_policy.admit(self.waiting, self.live, self.started)
-        if admit:
-            self.waiting = self.waiting[len(admit):]
-            try:
-                new = session.hook.mtpflow_prefill(session=session, requests=admit)
-            except Exception as exc:
-                events.extend(self._isolate_prefill(admit, exc))
-            else:
-                events.extend(self._join(new))
-        if self.state is not None:
-            try:
-                events.extend(self._run_round())
-            except Exception as exc:
-                events.extend(self._recover(exc))
+        events = super().step()
         for ev in events:
             if ev.finished:
                 self.strikes.pop(ev.request_id, None)
         return events
+
+    def _admit(self, requests) -> list[Event]:
+        """:meth:`Batcher._admit`; a failing prefill is isolated to the requests that fail."""
+        try:
+            new = self.session.hook.mtpflow_prefill(session=self.session, requests=requests)
+        except Exception as exc:
+            return self._isolate_prefill(requests, exc)
+        return self._join(new)
+
+    def _run_round(self) -> list[Event]:
+        """:meth:`Batcher._run_round`; a failing round ends only the rows that fail."""
+        try:
+            return super()._run_round()
+        except Exception as exc:
+            return self._recover(exc)
 
     def _join(self, new) -> list[Event]:
         """:meth:`Batcher._join`; a merge that fails rebuilds the live batch."""
