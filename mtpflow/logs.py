@@ -64,7 +64,8 @@ def debug_enabled(log) -> bool:
     for name in ("is_enabled_for", "isEnabledFor"):
         check = getattr(log, name, None)
         if check is not None:
-            return bool(check(logging.DEBUG))
+            said = check(logging.DEBUG)
+            return True if said is None else bool(said)  # None: a catch-all stand-in that cannot say
     return True
 
 
@@ -73,6 +74,9 @@ class NullLogger:
 
     def bind(self, **kw):
         return self
+
+    def is_enabled_for(self, level) -> bool:
+        return False
 
     def __getattr__(self, name):
         return _noop

@@ -65,3 +65,24 @@ def test_cli_trace_file_is_json_lines(tmp_path):
     assert rc == 0
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert events and all(e["event"] == "round" and FIELDS <= set(e) for e in events)
+
+
+def test_round_events_are_built_only_for_a_logger_that_keeps_them():
+    import io
+    import logging
+
+    from mtpflow.bench import RoundCollector
+    from mtpflow.logs import debug_enabled, file_logger, null_logger, round_logger
+
+    assert not debug_enabled(null_logger())
+    assert debug_enabled(file_logger(io.StringIO()))
+    assert debug_enabled(RoundCollector())  # a catch-all stand-in that cannot say: keep the events
+    log, lg = round_logger(), logging.getLogger("mtpflow.rounds")
+    old = lg.level
+    try:
+        lg.setLevel(logging.INFO)
+        assert not debug_enabled(log)
+        lg.setLevel(logging.DEBUG)
+        assert debug_enabled(log)
+    finally:
+        lg.setLevel(old)
