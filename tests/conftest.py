@@ -53,6 +53,18 @@ def session_factory():
     return make_session
 
 
+class ModelFreeDrafter:
+    """Base of the tests' drafter kinds: no checkpoint to load, nothing needed
+    from the target; a subclass writes ``propose`` (and ``propose_tree``)."""
+
+    model_types = ()
+    needs = frozenset()
+
+    @classmethod
+    def load(cls, path, target, options):
+        return cls()
+
+
 class RoundLog:
     """A test plugin that keeps every round record (an ``mtpflow_emit`` observer)."""
 

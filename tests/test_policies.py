@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from conftest import make_session
+from conftest import ModelFreeDrafter, make_session
 
 from mtpflow.builtins.policies import AdaptiveBlockPolicy
 from mtpflow.config import load_config
@@ -90,16 +90,9 @@ def test_adaptive_policy_falls_back_on_an_always_wrong_drafter_and_stays_there()
     assert chosen[-200:].count(1) >= 199
 
 
-class _AlwaysWrongDrafter:
+class _AlwaysWrongDrafter(ModelFreeDrafter):
     """Drafts token 0, which the fixture target never emits greedily, after some real work
     (so drafting costs time, as it does with a real drafter)."""
-
-    model_types = ()
-    needs = frozenset()
-
-    @classmethod
-    def load(cls, path, target, options):
-        return cls()
 
     def propose(self, session, state, shared, n_draft):
         import mlx.core as mx

@@ -8,7 +8,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, make_session
+from conftest import FIXTURES, ModelFreeDrafter, make_session
 
 from mtpflow import hookimpl
 from mtpflow.engine import generate_stream, make_request
@@ -22,15 +22,8 @@ PROMPT = json.loads((FIXTURES / "pair_e" / "generate_long.json").read_text())["p
 BLOCK = 2  # one draft per row: the second and third tokens come from the speculative round
 
 
-class RandomDrafter:
+class RandomDrafter(ModelFreeDrafter):
     """A bad drafter: uniformly random proposals."""
-
-    model_types = ()
-    needs = frozenset()
-
-    @classmethod
-    def load(cls, path, target, options):
-        return cls()
 
     def propose(self, session, state, shared, n_draft):
         toks = mx.random.randint(0, session.target.vocab_size, (state.size, n_draft), key=mx.random.key(state.round + 7))

@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
+from conftest import FIXTURES, ModelFreeDrafter, RoundLog, drive_with_late_joiners, make_session, reference
 
 from mtpflow import hookimpl
 from mtpflow.engine import Batcher, generate, make_request
@@ -54,15 +54,8 @@ def test_trees_beat_chains_in_acceptance_on_the_fixture_pair():
     assert tree.stats.tau > chain.stats.tau  # same depth, more candidates per depth
 
 
-class WrongTreeDrafter:
+class WrongTreeDrafter(ModelFreeDrafter):
     """A tree whose every branch is wrong: token 0 (the fixture target never emits it) everywhere."""
-
-    model_types = ()
-    needs = frozenset()
-
-    @classmethod
-    def load(cls, path, target, options):
-        return cls()
 
     def propose(self, session, state, shared, n):
         return DraftBlock(tokens=mx.zeros((state.size, n), mx.int32), n_draft=n)
