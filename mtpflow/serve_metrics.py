@@ -60,12 +60,31 @@ class _Metric:
         return tuple(str(labels[k]) for k in self.labelnames)
 
 
-class Counter(_Metric):
-    kind = "counter"
+class _Valued(_Metric):
+    """A metric with one number per label set (counters and gauges)."""
+
+    #: what the exposition appends to the name (``_total`` for counters)
+    suffix = ""
 
     def __init__(self, *a):
         super().__init__(*a)
         self.values: dict[tuple, float] = {} if self.labelnames else {(): 0.0}  # as prometheus_client
+
+    def get(self, **labels) -> float:
+        with self.registry.lock:
+            return self.values.get(self._key(labels), 0.0)
+
+    def lines(self) -> list[str]:
+        n = self.name + self.suffix
+        out = [f"# HELP {n} {self.doc}", f"# TYPE {n} {self.kind}"]
+        for key, v in sorted(self.values.items()):
+            out.append(f"{n}{_labels(self.registry.base + tuple(zip(self.labelnames, key)))} {_num(v)}")
+        return out
+
+
+class Counter(_Valued):
+    kind = "counter"
+    suffix = "_total"
 
     def inc(self, amount: float = 1.0, **labels) -> None:
         if amount < 0:
@@ -74,35 +93,14 @@ class Counter(_Metric):
         with self.registry.lock:
             self.values[key] = self.values.get(key, 0.0) + amount
 
-    def get(self, **labels) -> float:
-        with self.registry.lock:
-            return self.values.get(self._key(labels), 0.0)
 
-    def lines(self) -> list[str]:
-        n = self.name + "_total"
-        out = [f"# HELP {n} {self.doc}", f"# TYPE {n} counter"]
-        for key, v in sorted(self.values.items()):
-            out.append(f"{n}{_labels(self.registry.base + tuple(zip(self.labelnames, key)))} {_num(v)}")
-        return out
-
-
-class Gauge(_Metric):
+class Gauge(_Valued):
     kind = "gauge"
-
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.values: dict[tuple, float] = {} if self.labelnames else {(): 0.0}
 
     def set(self, value: float, **labels) -> None:
         key = self._key(labels)
         with self.registry.lock:
             self.values[key] = float(value)
-
-    def lines(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} gauge"]
-        for key, v in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self.registry.base + tuple(zip(self.labelnames, key)))} {_num(v)}")
-        return out
 
 
 class Histogram(_Metric):
