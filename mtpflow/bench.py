@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import hookimpl
 from .metrics import tau
 
 PROMPT_SETS = ("tiny", "mtbench", "humaneval")
@@ -203,11 +204,21 @@ def summarize(values: list[float]) -> dict:
 
 
 class RoundCollector:
-    """Stands in for the session's logger: keeps per-position acceptance counts
-    from the round records (``mtpflow_emit`` logs ``record.as_event()``)."""
+    """Keeps per-position acceptance counts of the rounds: registered as a
+    plugin, its ``mtpflow_emit`` reads each round's record; as the session's
+    logger it keeps the round events it is given (and says DEBUG is off, so
+    the engine builds none while it is registered)."""
 
     def __init__(self):
         self.reset()
+        self.registered = False
+
+    def is_enabled_for(self, level) -> bool:
+        return not self.registered
+
+    @hookimpl
+    def mtpflow_emit(self, session, record, emitted):
+        self.add(record.drafted, record.accepted)
 
     def reset(self):
         self.proposed: list[int] = []  # row-rounds that drafted > i tokens
@@ -233,6 +244,8 @@ class RoundCollector:
                     self.accepted[i] += 1
 
     def __getattr__(self, name):  # debug/warning/... : ignore
+        if name.startswith("__"):
+            raise AttributeError(name)
         return lambda *a, **k: None
 
     def per_position(self) -> list[float]:
@@ -369,14 +382,21 @@ class MTPFlowVariant(Variant):
         # a fresh block policy per run (the adaptive one learns)
         s.block_policy = s.plugins.block_policies.get(s.config.draft.policy)(s.config)
         tokens = 0
-        t0 = time.perf_counter()
-        for gi, grp in enumerate(_groups(prompts, self.batch_size)):
-            reqs = [make_request(s, p, max_tokens=max_tokens, request_id=f"{gi}-{i}") for i, p in enumerate(grp)]
-            if self.ignore_eos:
-                reqs = [attrs.evolve(r, stop_ids=frozenset()) for r in reqs]
-            for ev in generate_stream(s, reqs):
-                tokens += len(ev.tokens)
-        wall = time.perf_counter() - t0
+        pm = s.plugins.pm
+        pm.register(collector, name=f"mtpflow-bench-rounds-{id(collector)}")  # its mtpflow_emit counts acceptance
+        collector.registered = True
+        try:
+            t0 = time.perf_counter()
+            for gi, grp in enumerate(_groups(prompts, self.batch_size)):
+                reqs = [make_request(s, p, max_tokens=max_tokens, request_id=f"{gi}-{i}") for i, p in enumerate(grp)]
+                if self.ignore_eos:
+                    reqs = [attrs.evolve(r, stop_ids=frozenset()) for r in reqs]
+                for ev in generate_stream(s, reqs):
+                    tokens += len(ev.tokens)
+            wall = time.perf_counter() - t0
+        finally:
+            collector.registered = False
+            pm.unregister(collector)
         st = s.stats.as_dict()
         return {"tokens": tokens, "wall_s": wall, "rounds": st["rounds"], "row_rounds": s.stats.row_rounds, "stats": st}
 

@@ -61,6 +61,9 @@ def build_processors(plugins: Plugins, config: Config) -> list:
     return [plugins.build("logits_processors", n, config, config) for n in config.sampling.processors]
 
 
+_taps_memo: tuple = (None, ())
+
+
 @define(kw_only=True)
 class Session:
     config: Config
@@ -86,9 +89,13 @@ class Session:
     @property
     def tap_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states the drafter reads (``"layer:N"`` needs)."""
-        from .api import needed_layers
+        global _taps_memo
+        needs = getattr(self.drafter, "needs", ()) or ()
+        if _taps_memo[0] is not needs:  # asked every round: one entry per needs object
+            from .api import needed_layers
 
-        return needed_layers(getattr(self.drafter, "needs", ()) or ())
+            _taps_memo = (needs, needed_layers(needs))
+        return _taps_memo[1]
 
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and

@@ -395,6 +395,8 @@ def greedy_accept(target_logits: Any, draft_tokens: Any, active: Any = None) -> 
     """
     sel = mx.argmax(_as_array(target_logits), axis=-1).astype(mx.int32)
     k = sel.shape[1] - 1
+    if k == 0:  # nothing drafted: the argmax alone
+        return mx.zeros((sel.shape[0],), dtype=mx.int32), sel
     d = mx.array(draft_tokens).astype(mx.int32).reshape(sel.shape[0], k)
     match = d == sel[:, :k]
     if active is not None:

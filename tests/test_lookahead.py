@@ -174,3 +174,23 @@ def test_a_plugin_on_the_round_stages_turns_it_off_unless_it_copes(safe):
         assert s.stats.overlapped > 0 and w.rounds[0] == 2  # the next round's accept came before this emit
     else:
         assert s.stats.overlapped == 0 and w.rounds == list(range(1, s.stats.rounds + 1))
+
+
+def test_a_stage_plugin_registered_later_turns_it_off_at_once():
+    """The stage plugins are remembered between rounds; registering one on a
+    session that already overlapped takes effect in its next generation."""
+    from mtpflow.plugins import make_plugin_manager
+
+    plugins = make_plugin_manager([], autoload=False)
+    s = make_session("e", block_size=1, plugins=plugins)
+    ids = prompt("e", "short")
+    run(s, [make_request(s, ids, max_tokens=16)])
+    assert s.stats.overlapped > 0
+    w = _AcceptWatcher(False)
+    plugins.pm.register(w)
+    out, _ = run(s, [make_request(s, ids, max_tokens=16)])
+    assert list(out.values())[0] == reference(s, ids, 16)
+    assert s.stats.overlapped == 0 and w.rounds == list(range(1, s.stats.rounds + 1))
+    plugins.pm.unregister(w)
+    run(s, [make_request(s, ids, max_tokens=16)])
+    assert s.stats.overlapped > 0

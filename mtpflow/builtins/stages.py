@@ -180,7 +180,10 @@ def tree_inputs(state, draft):
 @hookimpl
 def mtpflow_verify(session, state, draft):
     target = session.target
-    inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
+    if draft.n_draft == 0 and not draft.is_tree:  # a null round verifies the last token alone
+        inputs = state.last_tokens[:, None]
+    else:
+        inputs = mx.concatenate([state.last_tokens[:, None], draft.tokens.astype(mx.int32)], axis=1)
     target.set_offsets(state.cache, state.positions)
     if draft.is_tree:
         # one forward over every node: each at root + depth, seeing its ancestors only
@@ -200,9 +203,10 @@ def mtpflow_accept(session, state, draft, verify):
 def mtpflow_advance(session, state, draft, verify, accepted):
     counts, toks = accepted.counts, accepted.tokens
     k = draft.n_draft
-    keep_host = [n + 1 for n in counts]
-    keep = mx.array(keep_host, dtype=mx.int32)
-    next_pos = state.positions + keep
+    null = k == 0 and not verify.taps  # nothing drafted: every row keeps its one verified slot
+    ahead = state.lookahead if null else None  # the next round's inputs are this round's outcome
+    keep = None if null else mx.array([n + 1 for n in counts], dtype=mx.int32)
+    next_pos = (state.positions + 1 if ahead is None else ahead.positions) if null else state.positions + keep
     if accepted.path is not None:
         # a tree: keep the root and the accepted path, drop every other branch
         path = [[0] + p[:n] for p, n in zip(accepted.path, counts)]  # verified-input indices, in depth order
@@ -223,6 +227,11 @@ def mtpflow_advance(session, state, draft, verify, accepted):
             state.taps = {t: mx.take_along_axis(v, order[:, :, None], axis=1) for t, v in verify.taps.items()}
             rel = mx.arange(D, dtype=mx.int32)[None]
             state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
+    elif null:
+        if ahead is None:  # else: its successor already holds the next slot
+            for c in state.cache:
+                c.rollback(1, keep, next_pos, 0, False)
+        state.hidden = verify.hidden[:, 0] if ahead is None else ahead.hidden
     else:
         trim = k - max(counts)
         ragged = min(counts) != max(counts)
@@ -234,7 +243,10 @@ def mtpflow_advance(session, state, draft, verify, accepted):
             rel = mx.arange(k + 1, dtype=mx.int32)[None]
             state.fwd_tokens, state.taps = verify.inputs, verify.taps
             state.fwd_positions = mx.where(rel < keep[:, None], state.positions[:, None] + rel, -1)
-    state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
+    if ahead is None:
+        state.last_tokens = mx.array([t[n] for t, n in zip(toks, counts)], dtype=mx.int32)
+    else:
+        state.last_tokens = ahead.last_tokens  # the same tokens, already on the device
     state.positions = next_pos
     emitted = []
     for row, t, n in zip(state.rows, toks, counts):
@@ -280,32 +292,62 @@ def _hooks_allow_lookahead(session, state) -> bool:
     round order unless it says, through ``lookahead_safe(state)``, that it
     copes with the next round's verify and accept arriving before this
     round's advance and emit."""
-    import sys
-
-    here = sys.modules[__name__]
-    for name in _LOOKAHEAD_HOOKS:
-        for impl in getattr(session.hook, name).get_hookimpls():
-            if impl.plugin is here:
-                continue
-            ok = getattr(impl.plugin, "lookahead_safe", None)
-            if ok is None or not ok(state):
-                return False
+    for plugin in _stage_plugins(session.hook):
+        ok = getattr(plugin, "lookahead_safe", None)
+        if ok is None or not ok(state):
+            return False
     return True
 
 
-def _lookahead(session, state, draft, acc) -> None:
+_stage_memo: tuple = (None, ())
+
+
+def _stage_plugins(hook) -> tuple:
+    """The plugins other than this module implementing a lookahead stage (the
+    hook lists are read every round: remembered until one of them changes)."""
+    import sys
+
+    global _stage_memo
+    impls = [impl for name in _LOOKAHEAD_HOOKS for impl in getattr(hook, name).get_hookimpls()]
+    key = tuple(impls)  # held, so compared by identity safely (HookImpl has no __eq__)
+    if _stage_memo[0] != key:
+        here = sys.modules[__name__]
+        _stage_memo = (key, tuple(impl.plugin for impl in impls if impl.plugin is not here))
+    return _stage_memo[1]
+
+
+def _lookahead(session, state, draft, verify_now, acc) -> None:
     """Build the next null round's verify on this round's lazy tokens and start
     it: its graph building overlaps this round's compute.  The cache is first
     compacted as this round's advance would (every row moves one position),
     then the next forward's K/V take the slot after it."""
     nxt = [r.position + 1 for r in state.rows]
     session.target.compact(state.cache, n_valid_max=max(nxt), min_positions=nxt)
-    view = attrs.evolve(state, last_tokens=acc.tokens[:, 0], positions=state.positions + 1)
     hook = session.hook
-    verify = hook.mtpflow_verify(session=session, state=view, draft=draft)
-    accepted = hook.mtpflow_accept(session=session, state=view, draft=draft, verify=verify)
+    # the next round's inputs, for its verify and accept only (cheaper than a copy of the state);
+    # this round's advance adopts them (and this round's hidden state) as the batch's next state
+    last, positions = state.last_tokens, state.positions
+    nxt_last, nxt_pos = acc.tokens[:, 0], positions + 1
+    state.last_tokens, state.positions = nxt_last, nxt_pos
+    try:
+        verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
+        accepted = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
+    finally:
+        state.last_tokens, state.positions = last, positions
+    state.lookahead = Lookahead(rows=tuple(state.rows), verify=verify, accepted=accepted,
+                                last_tokens=nxt_last, positions=nxt_pos, hidden=verify_now.hidden[:, 0])
     mx.async_eval(accepted.counts, accepted.tokens, verify.hidden)
-    state.lookahead = Lookahead(rows=tuple(state.rows), verify=verify, accepted=accepted)
+
+
+_null_drafts: dict = {}
+
+
+def _null_draft(B: int) -> DraftBlock:
+    """The (immutable) empty draft of a round that drafts nothing, one per batch size."""
+    d = _null_drafts.get(B)
+    if d is None:
+        d = _null_drafts[B] = DraftBlock(tokens=mx.zeros((B, 0), dtype=mx.int32), n_draft=0)
+    return d
 
 
 @hookimpl
@@ -337,7 +379,7 @@ def mtpflow_round_protocol(session, state):
         else:
             mx.async_eval(draft.tokens)
     else:
-        draft = DraftBlock(tokens=mx.zeros((B, 0), dtype=mx.int32), n_draft=0)
+        draft = _null_draft(B)
     t1 = time.perf_counter()
     ahead, state.lookahead = state.lookahead, None
     if ahead is not None:  # built by the previous round, already computing
@@ -347,12 +389,13 @@ def mtpflow_round_protocol(session, state):
         acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
     outputs = (acc.counts, acc.tokens, verify.hidden, *(() if acc.path is None else (acc.path,)))
     if n_draft == 0 and _next_round_null(session, state, remaining):
-        mx.async_eval(*outputs)
-        _lookahead(session, state, draft, acc)
+        if ahead is None:  # else: started by the previous round already
+            mx.async_eval(*outputs)
+        _lookahead(session, state, draft, verify, acc)
     # the round's single host synchronisation
     mx.eval(*outputs)
     t2 = time.perf_counter()
-    host = AcceptResult(counts=acc.counts.tolist(), tokens=acc.tokens.tolist(),
+    host = AcceptResult(counts=[0] * B if n_draft == 0 else acc.counts.tolist(), tokens=acc.tokens.tolist(),
                         path=None if acc.path is None else acc.path.tolist())
     live = [not r.finished for r in state.rows]
     emitted = hook.mtpflow_advance(session=session, state=state, draft=draft, verify=verify, accepted=host)

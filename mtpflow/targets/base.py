@@ -181,7 +181,12 @@ class TargetAdapter:
     def softcapped(self, logits: mx.array) -> mx.array:
         """``logits`` through the target's final softcapping (if any)."""
         cap = self.softcap
-        return _softcap(logits, mx.array(cap, dtype=logits.dtype)) if cap else logits
+        if not cap:
+            return logits
+        c = getattr(self, "_cap_array", None)  # one constant, not one per call
+        if c is None or c[0] != cap or c[1] != logits.dtype:
+            c = self._cap_array = (cap, logits.dtype, mx.array(cap, dtype=logits.dtype))
+        return _softcap(logits, c[2])
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
         """The LM head's output before any softcapping."""
@@ -341,10 +346,12 @@ class TargetAdapter:
     def compact(self, cache: list[SlotKVCache], n_valid_max: int, min_positions: list[int]) -> None:
         """Bound cache growth: sliding layers drop slots older than ``retain``,
         full layers squeeze out holes left by rejected drafts."""
-        pos = mx.array(min_positions, dtype=mx.int32)
+        pos = None
         for c in cache:
             if c.window is not None:
                 if c.idx > c.retain + c.step // 4:
+                    if pos is None:
+                        pos = mx.array(min_positions, dtype=mx.int32)
                     c.compact(min(c.retain, c.idx), pos - c.retain)
             elif c.idx - n_valid_max > max(64, c.idx // 4):
                 c.compact(n_valid_max)
