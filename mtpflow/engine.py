@@ -480,16 +480,22 @@ class Batcher:
             st.select(keep)
 
     def step(self) -> list[Event]:
+        """Admit what the batch policy lets in, then run one round; their events."""
+        return [ev for part in self.step_parts() for ev in part]
+
+    def step_parts(self) -> Iterator[list[Event]]:
+        """:meth:`step` in its two parts, each yielded as soon as it is computed:
+        the first tokens of the requests admitted now (right after their
+        prefill, so a stream's first token does not wait for the batch's
+        round), then the round's events."""
         session = self.session
-        events: list[Event] = []
         self._drop_finished()
         admit = session.batch_policy.admit(self.waiting, self.live, self.started)
         if admit:
             self.waiting = self.waiting[len(admit) :]
-            events.extend(self._admit(admit))
+            yield self._admit(admit)
         if self.state is not None:
-            events.extend(self._run_round())
-        return events
+            yield self._run_round()
 
     def _admit(self, requests) -> list[Event]:
         """Prefill ``requests`` and join them to the live batch (their first tokens)."""
@@ -532,7 +538,8 @@ def generate_stream(session: Session, requests: Iterable[Request]) -> Iterator[E
     batcher = Batcher(session)
     batcher.add(requests)
     while not batcher.idle:
-        yield from batcher.step()
+        for part in batcher.step_parts():
+            yield from part
 
 
 def _round_events(state) -> Iterator[Event]:

@@ -68,12 +68,12 @@ class IsolatingBatcher(Batcher):
         return super().cancel(request_id)
 
     # ---- the step ----------------------------------------------------------------------
-    def step(self) -> list[Event]:
-        events = super().step()
-        for ev in events:
-            if ev.finished:
-                self.strikes.pop(ev.request_id, None)
-        return events
+    def step_parts(self):
+        for events in super().step_parts():
+            for ev in events:
+                if ev.finished:
+                    self.strikes.pop(ev.request_id, None)
+            yield events
 
     def _admit(self, requests) -> list[Event]:
         """:meth:`Batcher._admit`; a failing prefill is isolated to the requests that fail."""

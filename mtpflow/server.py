@@ -469,7 +469,9 @@ class Scheduler:
                 t_step = time.perf_counter()
                 recoveries = self.batcher.recoveries
                 try:
-                    events = self.batcher.step()
+                    # admitted requests' first tokens go out before the batch's round runs
+                    for events in self.batcher.step_parts():
+                        self._deliver(events, t_step)
                 except Exception as exc:  # the isolation itself failed: a bug; end every row
                     self.log.exception("round.failed", error=str(exc))
                     for job in list(self._jobs.values()):
@@ -477,19 +479,20 @@ class Scheduler:
                     from .serve_batcher import IsolatingBatcher
 
                     self.batcher = IsolatingBatcher(self.session)
-                    events = []
                 if self.metrics is not None and self.batcher.recoveries != recoveries:
                     self.metrics.recoveries.inc(self.batcher.recoveries - recoveries)
-                for ev in events:
-                    job = self._jobs.get(ev.request_id)
-                    if job is None:
-                        self.batcher.errors.pop(ev.request_id, None)  # a row whose client already left
-                        continue
-                    try:
-                        self._event(job, ev, t_step)
-                    except Exception as exc:  # this row's text handling failed: end it alone
-                        self._finish_error(job, f"generation failed: {type(exc).__name__}: {exc}")
             self._publish()
+
+    def _deliver(self, events, t_step: float) -> None:
+        for ev in events:
+            job = self._jobs.get(ev.request_id)
+            if job is None:
+                self.batcher.errors.pop(ev.request_id, None)  # a row whose client already left
+                continue
+            try:
+                self._event(job, ev, t_step)
+            except Exception as exc:  # this row's text handling failed: end it alone
+                self._finish_error(job, f"generation failed: {type(exc).__name__}: {exc}")
 
     def _publish(self) -> None:
         b = self.batcher

@@ -78,3 +78,36 @@ def test_speculative_false_row_decodes_with_the_target_alone():
         out[ev.request_id].extend(ev.tokens)
     assert out["spec"] == ref(s, "e", a.prompt, 20)
     assert out["plain"] == ref(s, "e", b.prompt, 20)
+
+
+def test_first_tokens_stream_before_the_batch_round():
+    """A request's first token (its prefill's) is yielded before any round runs,
+    and a late joiner's before the live batch's next round."""
+    s = make_session("e", block_size=4, batch={"policy": "continuous"})
+    ps = prompts("e")
+    a = make_request(s, ps[0], max_tokens=12, request_id="a")
+    s.reset_stats()
+    g = generate_stream(s, [a])
+    first = next(g)
+    assert first.request_id == "a" and len(first.tokens) == 1 and s.stats.rounds == 0
+    g.close()
+
+    b = Batcher(s)
+    b.add([a])
+    b.step()
+    rounds = s.stats.rounds
+    late = make_request(s, ps[1], max_tokens=12, request_id="late")
+    b.add([late])
+    parts = b.step_parts()
+    joined = next(parts)
+    assert [ev.request_id for ev in joined] == ["late"] and len(joined[0].tokens) == 1
+    assert s.stats.rounds == rounds  # the batch's round has not run yet
+    round_events = next(parts)
+    assert s.stats.rounds == rounds + 1 and {ev.request_id for ev in round_events} <= {"a", "late"}
+    out = {"a": [], "late": list(joined[0].tokens)}
+    for ev in round_events:
+        out[ev.request_id].extend(ev.tokens)
+    while not b.idle:
+        for ev in b.step():
+            out[ev.request_id].extend(ev.tokens)
+    assert out["late"] == reference(s, late.prompt, 12)
