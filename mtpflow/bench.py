@@ -205,16 +205,11 @@ def summarize(values: list[float]) -> dict:
 
 class RoundCollector:
     """Keeps per-position acceptance counts of the rounds: registered as a
-    plugin, its ``mtpflow_emit`` reads each round's record; as the session's
-    logger it keeps the round events it is given (and says DEBUG is off, so
-    the engine builds none while it is registered)."""
+    plugin for a run, its ``mtpflow_emit`` reads each round's record (so no
+    round event needs building)."""
 
     def __init__(self):
         self.reset()
-        self.registered = False
-
-    def is_enabled_for(self, level) -> bool:
-        return not self.registered
 
     @hookimpl
     def mtpflow_emit(self, session, record, emitted):
@@ -223,12 +218,6 @@ class RoundCollector:
     def reset(self):
         self.proposed: list[int] = []  # row-rounds that drafted > i tokens
         self.accepted: list[int] = []  # of which the draft at i was accepted
-
-    def debug(self, event, **kw):  # the engine's round events are DEBUG records
-        if event != "round":
-            return
-        d, acc = kw.get("drafted", 0), kw.get("accepted", [])
-        self.add(d, acc)
 
     def add(self, drafted: int, accepted: list[int]):
         if drafted <= 0:
@@ -242,11 +231,6 @@ class RoundCollector:
                 self.proposed[i] += 1
                 if i < n:
                     self.accepted[i] += 1
-
-    def __getattr__(self, name):  # debug/warning/... : ignore
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *a, **k: None
 
     def per_position(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
@@ -378,13 +362,11 @@ class MTPFlowVariant(Variant):
 
         s = self.session
         s.stats = SpecDecodingStats()
-        s.log = collector
         # a fresh block policy per run (the adaptive one learns)
         s.block_policy = s.plugins.block_policies.get(s.config.draft.policy)(s.config)
         tokens = 0
         pm = s.plugins.pm
         pm.register(collector, name=f"mtpflow-bench-rounds-{id(collector)}")  # its mtpflow_emit counts acceptance
-        collector.registered = True
         try:
             t0 = time.perf_counter()
             for gi, grp in enumerate(_groups(prompts, self.batch_size)):
@@ -395,7 +377,6 @@ class MTPFlowVariant(Variant):
                     tokens += len(ev.tokens)
             wall = time.perf_counter() - t0
         finally:
-            collector.registered = False
             pm.unregister(collector)
         st = s.stats.as_dict()
         return {"tokens": tokens, "wall_s": wall, "rounds": st["rounds"], "row_rounds": s.stats.row_rounds, "stats": st}
@@ -702,12 +683,13 @@ def run_bench(args) -> int:
     if args.num_prompts:
         texts = texts[: args.num_prompts]
     cfg = _config(args)
-    collector = RoundCollector()
     import warnings
+
+    from .logs import null_logger
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        session = load_session(cfg, log=collector)
+        session = load_session(cfg, log=null_logger())
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     tok = session.tokenizer

@@ -304,12 +304,11 @@ class Lookahead:
     rows: tuple  # the row objects it was built for
     verify: Any = array_field()
     accepted: Any = array_field()
-    #: the next round's inputs (this round's last tokens and positions, lazy)
-    #: and this round's hidden state: the batch's state after this round's
-    #: advance, which adopts them instead of building them again
+    #: the next round's inputs (this round's last tokens and positions, lazy):
+    #: the batch's state after this round's advance, which adopts them
+    #: instead of building them again
     last_tokens: Any = array_field(default=None)
     positions: Any = array_field(default=None)
-    hidden: Any = array_field(default=None)
 
 
 @frozen(kw_only=True)

@@ -71,12 +71,12 @@ def test_round_events_are_built_only_for_a_logger_that_keeps_them():
     import io
     import logging
 
-    from mtpflow.bench import RoundCollector
     from mtpflow.logs import debug_enabled, file_logger, null_logger, round_logger
+    from mtpflow.train.eval import _RoundCollector
 
     assert not debug_enabled(null_logger())
     assert debug_enabled(file_logger(io.StringIO()))
-    assert debug_enabled(RoundCollector())  # a catch-all stand-in that cannot say: keep the events
+    assert debug_enabled(_RoundCollector())  # a catch-all stand-in that cannot say (eval's): keep the events
     log, lg = round_logger(), logging.getLogger("mtpflow.rounds")
     old = lg.level
     try:

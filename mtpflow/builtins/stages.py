@@ -231,7 +231,7 @@ def mtpflow_advance(session, state, draft, verify, accepted):
         if ahead is None:  # else: its successor already holds the next slot
             for c in state.cache:
                 c.rollback(1, keep, next_pos, 0, False)
-        state.hidden = verify.hidden[:, 0] if ahead is None else ahead.hidden
+        state.hidden = verify.hidden[:, 0]
     else:
         trim = k - max(counts)
         ragged = min(counts) != max(counts)
@@ -316,7 +316,7 @@ def _stage_plugins(hook) -> tuple:
     return _stage_memo[1]
 
 
-def _lookahead(session, state, draft, verify_now, acc) -> None:
+def _lookahead(session, state, draft, acc) -> None:
     """Build the next null round's verify on this round's lazy tokens and start
     it: its graph building overlaps this round's compute.  The cache is first
     compacted as this round's advance would (every row moves one position),
@@ -325,7 +325,7 @@ def _lookahead(session, state, draft, verify_now, acc) -> None:
     session.target.compact(state.cache, n_valid_max=max(nxt), min_positions=nxt)
     hook = session.hook
     # the next round's inputs, for its verify and accept only (cheaper than a copy of the state);
-    # this round's advance adopts them (and this round's hidden state) as the batch's next state
+    # this round's advance adopts them as the batch's next state
     last, positions = state.last_tokens, state.positions
     nxt_last, nxt_pos = acc.tokens[:, 0], positions + 1
     state.last_tokens, state.positions = nxt_last, nxt_pos
@@ -335,7 +335,7 @@ def _lookahead(session, state, draft, verify_now, acc) -> None:
     finally:
         state.last_tokens, state.positions = last, positions
     state.lookahead = Lookahead(rows=tuple(state.rows), verify=verify, accepted=accepted,
-                                last_tokens=nxt_last, positions=nxt_pos, hidden=verify_now.hidden[:, 0])
+                                last_tokens=nxt_last, positions=nxt_pos)
     mx.async_eval(accepted.counts, accepted.tokens, verify.hidden)
 
 
@@ -391,7 +391,7 @@ def mtpflow_round_protocol(session, state):
     if n_draft == 0 and _next_round_null(session, state, remaining):
         if ahead is None:  # else: started by the previous round already
             mx.async_eval(*outputs)
-        _lookahead(session, state, draft, verify, acc)
+        _lookahead(session, state, draft, acc)
     # the round's single host synchronisation
     mx.eval(*outputs)
     t2 = time.perf_counter()
