@@ -213,13 +213,18 @@ class RoundCollector:
 
     @hookimpl
     def mtpflow_emit(self, session, record, emitted):
-        self.add(record.drafted, record.accepted)
+        nodes = record.nodes if record.nodes is not None else record.drafted
+        self.add(record.drafted, record.accepted, verified=nodes + 1)
 
     def reset(self):
         self.proposed: list[int] = []  # row-rounds that drafted > i tokens
         self.accepted: list[int] = []  # of which the draft at i was accepted
+        self.verified = 0  # tokens the target verified, summed over row-rounds (a tree: its nodes + root)
+        self.row_rounds = 0
 
-    def add(self, drafted: int, accepted: list[int]):
+    def add(self, drafted: int, accepted: list[int], verified: int | None = None):
+        self.verified += (drafted + 1 if verified is None else verified) * len(accepted)
+        self.row_rounds += len(accepted)
         if drafted <= 0:
             return
         if len(self.proposed) < drafted:
@@ -750,6 +755,9 @@ def run_bench(args) -> int:
         d["acceptance_conditional"] = c.conditional() if c.proposed else []
         d["drafted_per_position"] = list(c.proposed)
         d["accepted_counts_per_position"] = list(c.accepted)
+        # tokens one row's verify forward took per round (a tree: nodes + root), the
+        # size a verify's cost depends on
+        d["verified_per_round"] = c.verified / c.row_rounds if c.row_rounds else None
         pk = peaks.get(v.name, (0, ""))
         d["peak_memory_bytes"], d["peak_memory_source"] = pk
         results.append(d)
@@ -815,7 +823,7 @@ def _json_default(o):
 
 
 def format_table(result: dict) -> str:
-    rows = ["variant                     tok/s(med)   [min..max]       ratio   tau    acc    syncs  peakMB  blocks"]
+    rows = ["variant                     tok/s(med)   [min..max]       ratio   tau    acc    syncs  peakMB  verif  blocks"]
     for v in result["variants"]:
         if "failed" in v:
             rows.append(f"{v['name']:<27} failed: {v['failed']}")
@@ -826,6 +834,7 @@ def format_table(result: dict) -> str:
         rows.append(
             f"{v['name']:<27} {t['median']:>9.1f}   [{t['min']:.1f}..{t['max']:.1f}]".ljust(58)
             + f" {ratio:>6}  {v['tau']:.2f}  {accr:>5}  {v['syncs_per_round'] or 0:.1f}  {v['peak_memory_bytes'] / 2**20:7.1f}"
+            + (f"  {v['verified_per_round']:5.1f}" if v.get("verified_per_round") else "      -")
             + ("  " + " ".join(f"{k}×{n}" for k, n in v["block_sizes"].items()) if v.get("block_sizes") else "")
         )
     return "\n".join(rows)

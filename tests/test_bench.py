@@ -115,3 +115,20 @@ def test_collector_and_summary():
     assert c.conditional() == [2 / 3, 1 / 2, 1.0]
     s = summarize([3.0, 1.0, 2.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+
+
+def test_collector_counts_the_tokens_each_verify_took():
+    from mtpflow.state import RoundRecord
+
+    def rec(drafted, accepted, nodes, tree=None):
+        return RoundRecord(round=0, batch_size=len(accepted), block_size=drafted + 1, drafted=drafted,
+                           accepted=accepted, emitted=[a + 1 for a in accepted], draft_s=0.0, verify_s=0.0,
+                           host_s=0.0, nodes=nodes, tree=tree)
+
+    c = RoundCollector()
+    c.mtpflow_emit(session=None, record=rec(2, [1, 0], 2), emitted={})  # a chain of 2 drafts, 2 rows: 3 tokens each
+    c.mtpflow_emit(session=None, record=rec(3, [2], 15, "dynamic:8x5x3"), emitted={})  # a 15-node tree of depth 3
+    c.mtpflow_emit(session=None, record=rec(0, [0, 0, 0], 0), emitted={})  # a null round, 3 rows
+    assert (c.verified, c.row_rounds) == (2 * 3 + 16 + 3 * 1, 6)
+    # acceptance per position still counts drafts by depth, not by node
+    assert c.proposed == [3, 3, 1] and c.accepted == [2, 1, 0]
