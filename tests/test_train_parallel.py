@@ -109,8 +109,12 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch_and_resume_on_one(tmp_pat
     launch(tmp_path, 2, PAIR_E, drafter, data, two, stop_at=3, **kw)  # ranks 0 and 1, 4 rows each
     got = _params(two)
     assert got.keys() == at3.keys()
-    for k in at3:  # the same update from the same global batch, summed in another order
-        assert np.allclose(got[k], at3[k], rtol=1e-4, atol=1e-5), (k, np.abs(got[k] - at3[k]).max())
+    # the same update from the same global batch, summed in another order.  Adam divides each
+    # step by the gradient's own scale, so a near-zero gradient summed in another order can
+    # move a weight by a small fraction of lr (1.1e-5 seen on an AMD host's OpenBLAS kernels);
+    # a wrong split of the batch moves weights by ~lr (3e-3) per step
+    for k in at3:
+        assert np.allclose(got[k], at3[k], rtol=1e-4, atol=5e-5), (k, np.abs(got[k] - at3[k]).max())
     assert json.loads((two / "checkpoint" / "state.json").read_text())["ranks"] == 2
     # each rank collected its share of the shards into the shared folder: together, all of them
     shards = sorted(p.name for p in (one / "features-cache").glob("shard-*.npz"))
