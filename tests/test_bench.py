@@ -86,6 +86,14 @@ def test_figures_consistent(bench):
         # tau = 1 + accepted drafts per row-round
         st = k3["stats_last_repeat"]
         assert math.isclose(k3["tau"], st["tau"], abs_tol=1e-3)
+        # tokens verified per row-round: 1 on the null path; a block-3 chain at most 3 (fewer
+        # where the budget cuts a round short); a tree at most its nodes + the root
+        assert by[f"mtpflow-null b{b}"]["verified_per_round"] == 1.0
+        assert 1.0 < k3["verified_per_round"] <= 3.0
+        for shape, nodes in (("2,1", 4), ("dynamic:2:3:2", 5)):
+            tree = by[f"mtpflow-tree{shape} b{b}"]
+            assert 1.0 < tree["verified_per_round"] <= nodes + 1
+        assert by[f"mlx_lm b{b}"].get("verified_per_round") is None  # mlx-lm's loop reports no rounds
 
 
 def test_plots_written(bench):

@@ -6,7 +6,8 @@ from mtpflow import hookimpl
 #: the shapes the adaptive policy measures with ``[draft] tree = "auto"``: 7, 11, 16, 16
 #: and 45 tokens verified per round.  ``dynamic:8:5:3`` (15 nodes) takes the place of
 #: ``4,2,1`` (20): more accepted per round with fewer nodes on the shipped SmolLM2 pair, and
-#: on the CPU a 16-token verify costs less than an 11-14-token one (docs/benchmarks.md (p))
+#: on a 2-core CPU with OpenBLAS a 16-token verify costs less than an 11-14-token one
+#: (docs/benchmarks.md (p)); the same list serves every backend
 AUTO_TREES = ("2,1,1", "2,2,1", "3,2,1", "dynamic:8:5:3", "4,2,2,1")
 
 
