@@ -6,8 +6,8 @@
 The target's forward plus its LM head over ``n`` new tokens on a cache of ``--context`` tokens,
 as a chain verify runs it (``--tree``: as a tree verify, with per-node RoPE positions and the
 tree mask, over a tree whose node ``i`` hangs from node ``(i - 1) // 2``), the sizes interleaved
-within each repeat (so the host's drift hits them alike), after one untimed pass, the cache rolled
-back after each.  With ``--matmul KxN`` it times ``x @ W.T`` for ``x [M, K]``, ``W [N, K]``
+within each repeat (so the host's drift hits them alike), after one untimed pass; each timed call
+first rolls the cache back to the context (host bookkeeping only, as a round's own rollback is).  With ``--matmul KxN`` it times ``x @ W.T`` for ``x [M, K]``, ``W [N, K]``
 instead, M = each of ``--tokens`` (the rows one product of a verify gets at batch 1); that weight
 stays in the CPU's cache, where a forward streams its weights from memory.  Prints the median
 milliseconds and the ratio to the first size.  On the CPU with OpenBLAS the cost is not monotone
