@@ -77,8 +77,15 @@ def empirical(session, sp_factory, depth, prompt=None, n=N, chunk=CHUNK):
         for r in reqs:
             r.stop_ids = frozenset()
         out = {r.id: [] for r in reqs}
+        short = len(reqs)  # rows with fewer than `depth` tokens so far
         for ev in generate_stream(session, reqs):
-            out[ev.request_id].extend(ev.tokens)
+            row = out[ev.request_id]
+            had = len(row)
+            row.extend(ev.tokens)
+            short -= had < depth <= len(row)
+            if not short:  # every row has its first `depth` tokens: later rounds cannot change them
+                break
+        assert all(len(v) >= depth for v in out.values())
         counts.update(tuple(v[:depth]) for v in out.values())
     return {k: v / n for k, v in counts.items()}
 
