@@ -4,9 +4,10 @@ Every variant runs in one process on the *same* target model object, and the
 repeats are interleaved round-robin (the variant order rotates every repeat),
 so thermal or load drift hits all variants alike:
 
-* ``mlx_lm``: target-only greedy decoding through mlx-lm itself
-  (``generate_step`` at batch 1, ``BatchGenerator`` for larger batches) --
-  the baseline every ratio refers to (same batch size);
+* ``mlx_lm``: target-only decoding through mlx-lm itself (``generate_step``
+  at batch 1, ``BatchGenerator`` for larger batches; greedy, or mlx-lm's
+  ``make_sampler`` with ``--temperature``) -- the baseline every ratio refers
+  to (same batch size);
 * ``mtpflow-null``: mtpflow without a drafter (block size 1) -- the cost of
   mtpflow's round loop and cache against plain mlx-lm;
 * ``mtpflow-k{K}``: mtpflow with the drafter at block size K (K-1 drafts);
@@ -84,6 +85,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="apply the target's chat template: auto = for chat sets (mtbench) when the tokenizer has one")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore EOS so all variants emit max_tokens)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="sampling temperature for every variant (default 0: greedy); mlx-lm samples with its make_sampler")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, with --temperature > 0 (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter, with --temperature > 0 (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter, with --temperature > 0 (default 0: off)")
+    p.add_argument("--seed", type=int, help="sampling seed (mtpflow rows and mlx-lm's generator; default: unseeded)")
     p.add_argument("--sync-timing", action="store_true",
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")
@@ -271,14 +278,31 @@ def _groups(prompts, b):
 
 
 class MLXLMVariant(Variant):
-    """Plain mlx-lm greedy decoding (optionally its speculative decoding)."""
+    """Plain mlx-lm decoding, greedy or sampled (optionally its speculative decoding)."""
 
     engine = "mlx_lm"
 
-    def __init__(self, name, batch_size, block_size, kind, model, draft_model=None, stop_ids=()):
+    def __init__(self, name, batch_size, block_size, kind, model, draft_model=None, stop_ids=(), sampling=None):
         super().__init__(name, batch_size, block_size, kind)
         self.model, self.draft_model, self.stop_ids = model, draft_model, set(stop_ids)
         self.batch_mode = "batch_generator" if batch_size > 1 else "generate_step"
+        self.sampling = sampling  # a SamplingConfig; None or temperature 0 = greedy
+
+    def _sampler(self):
+        """mlx-lm's own sampler for the bench's sampling settings (``None``: greedy).
+        mlx-lm filters (top-p, min-p, top-k) at temperature 1 and then samples at
+        the temperature, mtpflow filters after the temperature (as transformers):
+        the same work per token, slightly different distributions."""
+        sc = self.sampling
+        if sc is None or sc.temperature <= 0:
+            return None
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        if sc.seed is not None:
+            mx.random.seed(sc.seed)
+        return make_sampler(temp=sc.temperature, top_p=sc.top_p if sc.top_p < 1.0 else 0.0,
+                            min_p=sc.min_p, top_k=sc.top_k)
 
     def run(self, prompts, max_tokens, collector):
         tokens = rounds = 0
@@ -304,8 +328,9 @@ class MLXLMVariant(Variant):
         tfirst = None
         n = rounds = run = 0
         k = self.block_size - 1
+        sampler = self._sampler()
         if self.draft_model is None:
-            gen = generate_step(arr, self.model, max_tokens=max_tokens)
+            gen = generate_step(arr, self.model, max_tokens=max_tokens, sampler=sampler)
             for tok, _ in gen:
                 tfirst = tfirst or time.perf_counter() - t0
                 tok = int(tok)
@@ -315,7 +340,8 @@ class MLXLMVariant(Variant):
                 rounds += 1
             gen.close()
         else:
-            gen = speculative_generate_step(arr, self.model, self.draft_model, num_draft_tokens=k, max_tokens=max_tokens)
+            gen = speculative_generate_step(arr, self.model, self.draft_model, num_draft_tokens=k, max_tokens=max_tokens,
+                                            sampler=sampler)
             for tok, _, from_draft in gen:
                 tfirst = tfirst or time.perf_counter() - t0
                 tok = int(tok)
@@ -338,7 +364,7 @@ class MLXLMVariant(Variant):
         from mlx_lm.generate import BatchGenerator
 
         stops = [[t] for t in sorted(self.stop_ids)] or None
-        gen = BatchGenerator(self.model, stop_tokens=stops, max_tokens=max_tokens,
+        gen = BatchGenerator(self.model, stop_tokens=stops, max_tokens=max_tokens, sampler=self._sampler(),
                              prefill_batch_size=len(grp), completion_batch_size=len(grp))
         try:
             gen.insert(grp, [max_tokens] * len(grp))
@@ -489,7 +515,8 @@ def build_variants(args, session, prompts) -> list[Variant]:
     mlx_draft = _load_mlx_lm_draft(args.mlx_lm_draft_model, args.dtype) if args.mlx_lm_draft_model else None
     for b in args.batch_sizes:
         if not args.no_baseline:
-            variants.append(MLXLMVariant(f"mlx_lm b{b}", b, 1, "target_only", session.target.model, stop_ids=eos))
+            variants.append(MLXLMVariant(f"mlx_lm b{b}", b, 1, "target_only", session.target.model, stop_ids=eos,
+                                         sampling=session.config.sampling))
         if not args.no_null:
             s = _session_variant(session, 1, "fixed", False, max_batch, args.sync_timing)
             variants.append(MTPFlowVariant(f"mtpflow-null b{b}", b, 1, "null", s, ignore_eos))
@@ -513,7 +540,8 @@ def build_variants(args, session, prompts) -> list[Variant]:
             for k in args.block_sizes:
                 if k > 1:
                     variants.append(MLXLMVariant(f"mlx_lm-spec-k{k} b{b}", b, k, "mlx_lm_speculative",
-                                                 session.target.model, draft_model=mlx_draft, stop_ids=eos))
+                                                 session.target.model, draft_model=mlx_draft, stop_ids=eos,
+                                                 sampling=session.config.sampling))
     return variants
 
 
@@ -532,6 +560,8 @@ def _config(args):
         "draft": {"block_size": max(args.block_sizes), "policy": args.policy},
         "batch": {"max_batch_size": max(args.batch_sizes)},
         "generation": {"max_tokens": args.max_tokens},
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                     "min_p": args.min_p, "seed": args.seed},
     })
 
 
@@ -789,6 +819,7 @@ def run_bench(args) -> int:
             "batch_sizes": args.batch_sizes,
             "ignore_eos": not args.stop_at_eos,
             "sync_timing": args.sync_timing,
+            "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
             "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
             "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",

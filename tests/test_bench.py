@@ -140,3 +140,34 @@ def test_collector_counts_the_tokens_each_verify_took():
     assert (c.verified, c.row_rounds) == (2 * 3 + 16 + 3 * 1, 6)
     # acceptance per position still counts drafts by depth, not by node
     assert c.proposed == [3, 3, 1] and c.accepted == [2, 1, 0]
+
+
+def test_sampled_bench_runs_every_engine_at_the_same_settings(tmp_path):
+    """--temperature/--top-p/--top-k/--seed reach mtpflow's requests and mlx-lm's
+    sampler (generate_step and BatchGenerator), and bad values fail in one line."""
+    import mlx.core as mx
+
+    from mtpflow.bench import MLXLMVariant, _config
+    from mtpflow.config import ConfigError
+
+    args = parse("--target", FIX / "target", "--draft-model", FIX / "drafter", "--block-sizes", "3",
+                 "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--max-tokens", "4",
+                 "--out", tmp_path, "--no-progress", "--no-plots", "--no-default", "--no-null",
+                 "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "7")
+    assert run_bench(args) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["meta"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": 7}
+    assert not [v for v in res["variants"] if "failed" in v]
+    assert len(res["variants"]) == 4 and all(v["tokens"] == 4 * 4 for v in res["variants"])
+    k3 = next(v for v in res["variants"] if v["name"] == "mtpflow-k3 b1")
+    assert k3["stats_last_repeat"]["draft_tokens"] > 0
+
+    sc = _config(args).sampling
+    assert (sc.temperature, sc.top_p, sc.top_k, sc.seed) == (0.8, 0.9, 40, 7)
+    assert MLXLMVariant("g", 1, 1, "target_only", None, sampling=_config(parse("--top-p", "0.5")).sampling)._sampler() is None
+    # mlx-lm's sampler at these settings: top-k 40 of a flat distribution keeps 40 tokens
+    sampler = MLXLMVariant("s", 1, 1, "target_only", None, sampling=sc)._sampler()
+    draws = {int(sampler(mx.zeros((1, 1000)))[0]) for _ in range(300)}
+    assert 20 < len(draws) <= 40
+    with pytest.raises(ConfigError, match="top_p"):
+        _config(parse("--top-p", "0", "--temperature", "1"))
