@@ -98,6 +98,10 @@ class ProcessParams:
     use_top_p: bool = False
     use_min_p: bool = False
     use_repetition: bool = False
+    #: how many of the largest values the top-k / top-p filters need: the
+    #: largest top-k of the sampling rows when every one has a top-k of at
+    #: most V / 4 (found with ``mx.topk``, no full sort), else V (a full sort)
+    candidates: int = 0
     seeds: tuple = field(default=())
 
     @property
@@ -147,6 +151,7 @@ class ProcessParams:
         # Greedy rows ignore the sampling filters: the static flags reflect
         # only sampling rows.
         samp = [not g for g in greedy_rows]
+        k_max = max((k for sm, k in zip(samp, top_k) if sm), default=V)
         return cls(
             vocab_size=V,
             temperature=mx.array(temps, dtype=mx.float32),
@@ -163,6 +168,7 @@ class ProcessParams:
             use_top_p=any(s and p < 1.0 for s, p in zip(samp, top_p)),
             use_min_p=any(s and m > 0.0 for s, m in zip(samp, min_p)),
             use_repetition=any(r != 1.0 for r in rep),
+            candidates=k_max if 4 * k_max <= V else V,
             seeds=tuple(r.seed for r in rows),
         )
 
@@ -254,16 +260,27 @@ def process_logits(
         y = x / col(params.temperature)
     else:
         y = x
-    # 4-6. filters: one descending sort shared by top-k and top-p.
+    # 4-6. filters: one descending sort shared by top-k and top-p -- of the
+    # K = params.candidates largest values when every sampling row has a small
+    # top-k (mx.topk is O(V); a full sort is the costliest op here), else of all V.
     if params.use_top_k or params.use_top_p:
-        s = -mx.sort(-y, axis=-1)  # [B, L, V] descending
+        K = params.candidates if 0 < params.candidates < V else V
+        s = -mx.sort(-(mx.topk(y, K, axis=-1) if K < V else y), axis=-1)  # [B, L, K] descending
         if params.use_top_k:
-            k = col(params.top_k)  # [B,1,1] in [1, V]
+            # greedy rows (neutral top_k = V) are clamped: their result is replaced below
+            k = col(mx.minimum(params.top_k, K) if K < V else params.top_k)  # [B,1,1] in [1, K]
             kth = mx.take_along_axis(s, k - 1, axis=-1)  # [B, L, 1]
             y = mx.where(y < kth, _NEG_INF, y)
             s = mx.where(s < kth, _NEG_INF, s)
-        if params.use_top_p:
+        if params.use_top_p and K < V:
+            # the nucleus of the top-k distribution, whose kept tokens include any
+            # ties with the k-th value past the K candidates: the normaliser counts them
+            e = mx.exp(s - s[..., :1])
+            ties = mx.sum(y >= kth, axis=-1, keepdims=True) - mx.sum(s >= kth, axis=-1, keepdims=True)
+            sp = e / (mx.sum(e, axis=-1, keepdims=True) + ties.astype(mx.float32) * mx.exp(kth - s[..., :1]))
+        elif params.use_top_p:
             sp = mx.softmax(s, axis=-1)
+        if params.use_top_p:
             excl = mx.cumsum(sp, axis=-1) - sp  # mass strictly before each rank
             keep = (excl < col(params.top_p)) & (s > _NEG_INF)
             n_keep = mx.maximum(mx.sum(keep.astype(mx.int32), axis=-1, keepdims=True), 1)

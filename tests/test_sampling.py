@@ -131,6 +131,35 @@ def test_top_p_per_row():
     _check_against_ref(rows, seed=1)
 
 
+def test_small_top_k_filters_the_largest_values_without_a_full_sort():
+    """When every sampling row has a top-k of at most V / 4 the filters work on
+    the K largest values (mx.topk) instead of sorting the vocabulary: the same
+    distributions, also when ties with the k-th value reach past the K candidates."""
+    import attrs
+
+    V = 256
+    rows = [SP(temperature=0.8, top_k=40, top_p=0.77), SP(temperature=1.0, top_k=5), SP(temperature=0.0),
+            SP(temperature=1.3, top_k=64, top_p=0.93, min_p=0.01)]
+    params = ProcessParams.from_rows(rows, V)
+    assert params.candidates == 64
+    assert ProcessParams.from_rows(rows + [SP(temperature=0.5)], V).candidates == V  # a row without top-k
+    assert ProcessParams.from_rows([SP(temperature=0.5, top_k=65)], V).candidates == V  # above V / 4
+    rng = np.random.default_rng(3)
+    for trial in range(4):
+        # half-integer logits: groups of ~20 equal values, so the k-th value is tied
+        logits = (rng.integers(-6, 6, size=(4, 3, V)) * 0.5 + (trial == 3) * rng.normal(size=(4, 3, V))).astype(np.float32)
+        got = np.array(process_logits(mx.array(logits), params))
+        full = np.array(process_logits(mx.array(logits), attrs.evolve(params, candidates=V)))
+        want = ref_process(logits, rows)
+        for other in (full, want):
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(other))
+            fin = np.isfinite(other)
+            np.testing.assert_allclose(got[fin], other[fin], rtol=1e-5, atol=1e-5)
+        if trial < 3:  # the data reaches the case: row 3's 64th value is tied past the 64 candidates
+            desc = -np.sort(-logits[3], axis=-1)
+            assert (desc[:, 63] == desc[:, 64]).all()
+
+
 def test_min_p_per_row():
     rows = [
         SP(temperature=1.0, min_p=0.1),
