@@ -264,7 +264,7 @@ def process_logits(
     # K = params.candidates largest values when every sampling row has a small
     # top-k (mx.topk is O(V); a full sort is the costliest op here), else of all V.
     if params.use_top_k or params.use_top_p:
-        K = params.candidates if 0 < params.candidates < V else V
+        K = params.candidates if params.use_top_k and 0 < params.candidates < V else V
         s = -mx.sort(-(mx.topk(y, K, axis=-1) if K < V else y), axis=-1)  # [B, L, K] descending
         if params.use_top_k:
             # greedy rows (neutral top_k = V) are clamped: their result is replaced below

@@ -145,9 +145,11 @@ def test_small_top_k_filters_the_largest_values_without_a_full_sort():
     assert ProcessParams.from_rows(rows + [SP(temperature=0.5)], V).candidates == V  # a row without top-k
     assert ProcessParams.from_rows([SP(temperature=0.5, top_k=65)], V).candidates == V  # above V / 4
     rng = np.random.default_rng(3)
-    for trial in range(4):
+    for trial in range(5):
         # half-integer logits: groups of ~20 equal values, so the k-th value is tied
-        logits = (rng.integers(-6, 6, size=(4, 3, V)) * 0.5 + (trial == 3) * rng.normal(size=(4, 3, V))).astype(np.float32)
+        logits = (rng.integers(-6, 6, size=(4, 3, V)) * 0.5 + (trial >= 3) * rng.normal(size=(4, 3, V))).astype(np.float32)
+        if trial == 4:  # a grammar's mask: fewer allowed tokens than the top-k (the k-th value is -inf)
+            logits[:, :, 10:] = -np.inf
         got = np.array(process_logits(mx.array(logits), params))
         full = np.array(process_logits(mx.array(logits), attrs.evolve(params, candidates=V)))
         want = ref_process(logits, rows)
