@@ -88,3 +88,33 @@ def test_dflash_dpace_weights_follow_the_confidence(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
     # D-PACE feeds the detached confidence exp(-CE) (a soft score in (0, 1)), not argmax hits
     assert all(0.0 < a < 1.0 for a in log[-1]["acc"])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_tap_cache_skips_the_target_forward_after_the_first_epoch(kind, tmp_path, monkeypatch):
+    """--tap-cache-mb: 32 examples in batches of 8 are 4 steps an epoch; with the
+    cache only the first epoch runs the target, and the losses are those of a
+    run that recomputes every batch (up to float rounding)."""
+    import mtpflow.train.kinds as kinds_mod
+
+    tgt, opts, _ = KINDS[kind]
+    calls = []
+    real = kinds_mod.target_states
+    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    common = dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind=kind, unroll=3,
+                  anchors=4, targets="hard", steps=12)
+    plain = train(tgt, opts, "selfgen:32:40", tmp_path / "plain", **common)
+    assert len(calls) == 12 and "tap_cache" not in plain
+    calls.clear()
+    cached = train(tgt, opts, "selfgen:32:40", tmp_path / "cached", tap_cache_mb=64, **common)
+    assert len(calls) == 4  # the first epoch
+    assert cached["tap_cache"]["examples"] == 32 and cached["tap_cache"]["batches_reused"] == 8
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()]
+              for d in ("plain", "cached")]
+    assert np.allclose(losses[1], losses[0], rtol=1e-4, atol=1e-6), losses
+    # a budget smaller than one example keeps nothing: every batch runs the target
+    calls.clear()
+    tiny = train(tgt, opts, "selfgen:32:40", tmp_path / "tiny", tap_cache_mb=1e-4, **dict(common, steps=6))
+    assert len(calls) == 6 and tiny["tap_cache"]["examples"] == 0
+    with pytest.raises(ValueError, match="eagle3 / dflash"):
+        train(tgt, opts, "selfgen:32:40", tmp_path / "bad", tap_cache_mb=8, **dict(common, kind="assistant"))

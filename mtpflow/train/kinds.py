@@ -66,6 +66,58 @@ def target_states(target, tokens: mx.array, layers) -> tuple[mx.array, dict]:
     return _sg(hidden), {k: _sg(v) for k, v in taps.items()}
 
 
+class TargetStates:
+    """The target's post-norm hidden states and concatenated layer taps per
+    training example, kept in memory up to ``budget_mb`` (``--tap-cache-mb``):
+    a batch whose rows are all kept skips the target forward, so every epoch
+    after the first trains on the drafter's cost alone.
+
+    Rows are stored unpadded (host copies) and zero-padded to the batch's
+    length when reused; both kinds read a row's states only at positions
+    before its length (causal attention, masked labels), so a reused batch
+    trains as a recomputed one, up to float rounding."""
+
+    def __init__(self, target, layers, budget_mb: float = 0.0):
+        self.target, self.layers = target, tuple(layers)
+        self.budget = int(budget_mb * 2**20)
+        self.rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.bytes = 0
+        self.reused = self.computed = 0  # batches
+
+    def __call__(self, toks: mx.array, lens, idx=None) -> tuple[mx.array, mx.array]:
+        """``(hidden [B, T, H], taps [B, T, n*H])`` of the batch ``toks`` whose
+        rows are the examples ``idx`` (``None``: not cacheable)."""
+        keep = self.budget > 0 and idx is not None
+        if keep and all(int(i) in self.rows for i in idx):
+            self.reused += 1
+            T = toks.shape[1]
+
+            def padded(j):
+                return mx.array(np.stack([np.pad(self.rows[int(i)][j], ((0, T - len(self.rows[int(i)][j])), (0, 0)))
+                                          for i in idx]))
+
+            return padded(0), padded(1)
+        self.computed += 1
+        hidden, taps = target_states(self.target, toks, self.layers)
+        g = mx.concatenate([taps[i] for i in self.layers], axis=-1)
+        if keep:
+            new = [(r, int(i)) for r, i in enumerate(idx) if int(i) not in self.rows]
+            if new and self.bytes < self.budget:
+                h_np, g_np = np.array(hidden), np.array(g)  # (the step evaluates them anyway)
+                lens = np.asarray(lens)
+                for r, i in new:
+                    n = int(lens[r])
+                    size = n * (h_np.shape[-1] + g_np.shape[-1]) * h_np.itemsize
+                    if self.bytes + size <= self.budget:
+                        self.rows[i] = (h_np[r, :n].copy(), g_np[r, :n].copy())
+                        self.bytes += size
+        return hidden, g
+
+    def summary(self) -> dict:
+        return {"budget_mb": self.budget / 2**20, "examples": len(self.rows), "mb": round(self.bytes / 2**20, 3),
+                "batches_reused": self.reused, "batches_computed": self.computed}
+
+
 # --------------------------------------------------------------------------------------
 # EAGLE-3
 # --------------------------------------------------------------------------------------
@@ -147,13 +199,13 @@ class Eagle3Trainer:
 
         self.config_id = {"kind": "eagle3", "config": json.loads(json.dumps(attrs.asdict(self.cfg), default=str)),
                           "draft_vocab": int(k)}
+        self.states = TargetStates(target, self.cfg.aux_layer_ids, cfg.tap_cache_mb)
 
     def embed(self, tokens):
         return self.target.inner.embed_tokens(tokens)
 
-    def batch(self, toks, lmask, lens):
-        hidden, taps = target_states(self.target, toks, self.cfg.aux_layer_ids)
-        g = mx.concatenate([taps[i] for i in self.cfg.aux_layer_ids], axis=-1)
+    def batch(self, toks, lmask, lens, idx=None):
+        hidden, g = self.states(toks, lens, idx)
         labels = _sg(self.target.logits(hidden)[..., self.ids])
         return (g, labels, toks, lmask, lens)
 
@@ -299,10 +351,10 @@ class DFlashTrainer:
         self.dpace = cfg.step_weights == "position"
         self.seed = cfg.seed
         self.config_id = {"kind": "dflash", "config": self.hf_config}
+        self.states = TargetStates(target, self.cfg.taps, cfg.tap_cache_mb)
 
-    def batch(self, toks, lmask, lens, step: int, row0: int = 0):
-        hidden, taps = target_states(self.target, toks, self.cfg.taps)
-        feats = mx.concatenate([taps[i] for i in self.cfg.taps], axis=-1)
+    def batch(self, toks, lmask, lens, step: int, row0: int = 0, idx=None):
+        hidden, feats = self.states(toks, lens, idx)
         labels = _sg(self.target.logits(hidden))
         anchors, valid = _anchors(np.array(lmask), np.array(lens), self.anchors, self.cfg.block_size, self.seed, step,
                                   row0)
@@ -379,10 +431,12 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
 
     def make_batch(step, rows):
         toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, rows=rows)
+        idx = data_mod.batch_indices(len(examples), cfg.batch_size, cfg.seed, step)
+        idx = idx if rows is None else idx[rows]  # the examples of these rows
         toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
         if kind == "eagle3":
-            return trainer.batch(toks, lmask, lens), lens_np
-        return trainer.batch(toks, lmask, lens, step, rows.start or 0), lens_np
+            return trainer.batch(toks, lmask, lens, idx=idx), lens_np
+        return trainer.batch(toks, lmask, lens, step, rows.start or 0, idx=idx), lens_np
 
     step, acc_ema, tokens_seen, last, elapsed, speed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
                                                                 trainer.config_id, n_loss,
@@ -399,6 +453,8 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
         summary["distill"] = distill
     if cache_summary is not None:
         summary["cache"] = cache_summary
+    if cfg.tap_cache_mb:
+        summary["tap_cache"] = trainer.states.summary()
     if ranks.main:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

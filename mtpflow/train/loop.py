@@ -98,6 +98,9 @@ class TrainConfig:
     kind: str = "assistant"
     #: dflash: anchor positions (blocks) per sequence and step
     anchors: int = 8
+    #: eagle3 / dflash: keep the target's states of up to this many MiB of examples in
+    #: memory, so a batch of kept examples skips the target forward (0 = off)
+    tap_cache_mb: float = 0.0
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -112,6 +115,11 @@ class TrainConfig:
             raise ValueError(f"kind must be 'assistant', 'eagle3' or 'dflash' (got {self.kind!r})")
         if self.kind != "assistant" and self.init_from:
             raise ValueError("--init-from warm-starts assistant drafters only")
+        if self.tap_cache_mb < 0:
+            raise ValueError(f"tap_cache_mb must be >= 0 (got {self.tap_cache_mb})")
+        if self.tap_cache_mb and self.kind == "assistant":
+            raise ValueError("--tap-cache-mb is for --kind eagle3 / dflash; the assistant kind caches its features "
+                             "with cache: data (e.g. --data cache:sharegpt:2000)")
 
 
 # ------------------------------------------------------------------------------ objective
@@ -706,6 +714,9 @@ def add_train_arguments(p) -> None:
                         "checkpoint), dflash (written in z-lab's format); --drafter-config takes the kind's options, "
                         'e.g. {"draft_vocab_size": 8192} (eagle3) or {"block_size": 16, "num_hidden_layers": 2} (dflash)')
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--tap-cache-mb", type=float, default=0.0,
+                   help="eagle3 / dflash: keep the target's hidden states and layer taps of up to this many MiB of "
+                        "examples in memory, so later epochs skip the target forward (default: 0, off)")
 
 
 def run_train(args) -> int:
@@ -719,7 +730,7 @@ def run_train(args) -> int:
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
-        kind=args.kind, anchors=args.anchors,
+        kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     if world().main:  # (under mlx.launch every rank runs this; one line is enough)
