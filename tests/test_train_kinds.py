@@ -118,3 +118,39 @@ def test_tap_cache_skips_the_target_forward_after_the_first_epoch(kind, tmp_path
     assert len(calls) == 6 and tiny["tap_cache"]["examples"] == 0
     with pytest.raises(ValueError, match="eagle3 / dflash"):
         train(tgt, opts, "selfgen:32:40", tmp_path / "bad", tap_cache_mb=8, **dict(common, kind="assistant"))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_cache_data_stores_the_kinds_taps_and_training_never_runs_the_target(kind, tmp_path, monkeypatch):
+    """``--data cache:SPEC`` for eagle3 / dflash: the teacher-forced collection keeps
+    the target layers the drafter reads (float16, OUT/features-cache), and training
+    reads them instead of running the target per batch."""
+    import mtpflow.train.kinds as kinds_mod
+    from mtpflow.train.features import load_features
+    from mtpflow.train.loop import _load_target
+
+    tgt, opts, _ = KINDS[kind]
+    calls = []
+    real = kinds_mod.target_states
+    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    common = dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind=kind, unroll=3,
+                  anchors=4, targets="hard", steps=12)
+    out = train(tgt, opts, "cache:selfgen:32:40", tmp_path / "o", **common)
+    assert calls == [] and out["tap_cache"]["from_disk"] == 32 and out["tap_cache"]["batches_reused"] == 12
+    target = _load_target(tgt)
+    taps = kinds_mod.tap_layers(kind, target, opts)
+    meta = json.loads((tmp_path / "o" / "features-cache" / "meta.json").read_text())
+    assert meta["taps"] == list(taps) and len(taps) == 3
+    log = [json.loads(x)["loss"] for x in (tmp_path / "o" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 12 and all(np.isfinite(log)) and min(log[-3:]) < log[0]
+    # what was stored is what the target computes for that example (up to float16)
+    for f in load_features(tmp_path / "o" / "features-cache")[:3]:
+        hidden, got = real(target, mx.array(f.tokens[None].astype(np.int32)), taps)
+        want = np.concatenate([np.array(hidden[0])] + [np.array(got[t][0]) for t in taps], axis=-1)
+        have = np.concatenate([f.hidden, f.taps], axis=-1).astype(np.float32)
+        assert have.shape == want.shape
+        assert np.abs(have - want).max() <= 2e-3 * np.abs(want).max() + 1e-3
+    # features of other taps are refused with what to do
+    with pytest.raises(ValueError, match="other settings"):
+        other = {**opts, "aux_layer_ids": [1, 2, 3]} if kind == "eagle3" else {**opts, "target_layer_ids": [0, 1, 2]}
+        train(tgt, other, "cache:selfgen:32:40", tmp_path / "o", **common)

@@ -18,6 +18,7 @@ Layout of ``DIR`` (resumable: finished shards are kept and skipped)::
 
     DIR/meta.json                 {"target": ..., "hidden_size", "kv": {type: [KVH, hd]}, ...}
     DIR/shard-00000.npz           tokens, loss, offsets, hidden (fp16), k_<type>, v_<type> (fp16)
+                                  [, argmax] [, taps (fp16): the layers meta.json's "taps" names]
 
 :func:`collect_text` keeps the same features for text the target did not write
 (``cache:`` data, ``DIR`` = ``OUT/features-cache``), teacher-forced, plus the
@@ -57,6 +58,9 @@ class FeatureExample:
     #: (-1 elsewhere); ``None`` when the tokens after the prompt are the target's own greedy
     #: output (then the argmax is the next token)
     argmax: np.ndarray | None = None
+    #: fp16 [n, len(layers) * D]: the target's states at the layer taps a collection asked
+    #: for (``collect_text(taps=...)``, the EAGLE-3 / DFlash kinds), concatenated in that order
+    taps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -141,11 +145,12 @@ def _argmax(target, H, rows=None):
     return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def text_features_async(target, examples, chunk: int | None = CHUNK):
+def text_features_async(target, examples, chunk: int | None = CHUNK, taps=()):
     """Queue the teacher-forced feature computation of ``examples`` (see
     :func:`text_features`) on the device and return ``finish``, which waits
     for it and returns the :class:`FeatureExample` list -- so the host can
-    write the previous batch while this one computes."""
+    write the previous batch while this one computes.  ``taps``: target layer
+    ids whose states each example also keeps (:attr:`FeatureExample.taps`)."""
     import mlx.core as mx
 
     B = len(examples)
@@ -161,19 +166,22 @@ def text_features_async(target, examples, chunk: int | None = CHUNK):
     cache = target.make_cache()
     target.set_offsets(cache, mx.array(lens - P))
     step = chunk or P
-    hs, ams, where = [], [], []
+    hs, ams, where, ts = [], [], [], []
     for s in range(0, P, step):  # queries a chunk at a time over the growing cache
-        H = target.forward(tok_mx[:, s: s + step], cache)
+        H, got = target.forward_with_taps(tok_mx[:, s: s + step], cache, tuple(taps))
         hs.append(H.astype(mx.float16))
+        if taps:
+            ts.append(mx.concatenate([got[lid] for lid in taps], axis=-1).astype(mx.float16))
         rows = np.flatnonzero(wanted[:, s: s + step])
         if len(rows):
             ams.append(_argmax(target, H, rows))
             c = H.shape[1]
             where.append((rows // c, s + rows % c))
     H16 = mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
+    T16 = (mx.concatenate(ts, axis=1) if len(ts) > 1 else ts[0]) if taps else None
     views = target.shared_kv(cache)
     kv = {t: (v.keys.astype(mx.float16), v.values.astype(mx.float16), v.positions) for t, v in views.items()}
-    arrays = [H16, *ams] + [x for triple in kv.values() for x in triple]
+    arrays = [H16, *ams] + [x for triple in kv.values() for x in triple] + ([T16] if taps else [])
     mx.async_eval(arrays)
 
     def finish() -> list[FeatureExample]:
@@ -182,10 +190,14 @@ def text_features_async(target, examples, chunk: int | None = CHUNK):
         for (r, c), a in zip(where, ams):
             amn[r, c] = np.array(a)
         kvs = {t: tuple(np.array(x) for x in triple) for t, triple in kv.items()}
+        Tn = None if T16 is None else np.array(T16)
         out = []
         for r, e in enumerate(examples):
             a = P - int(lens[r])
-            out.append(_row(Hn, kvs, r, a, np.asarray(e.tokens, np.int32), np.asarray(e.loss, bool), amn[r, a:]))
+            ex = _row(Hn, kvs, r, a, np.asarray(e.tokens, np.int32), np.asarray(e.loss, bool), amn[r, a:])
+            if Tn is not None:
+                ex.taps = Tn[r, a: a + len(ex)].astype(FEATURE_DTYPE, copy=False)
+            out.append(ex)
         return out
 
     return finish
@@ -231,6 +243,8 @@ def _save_shard(path: Path, exs: list[FeatureExample]) -> None:
     }
     if exs[0].argmax is not None:
         arrays["argmax"] = np.concatenate([e.argmax for e in exs])
+    if exs[0].taps is not None:
+        arrays["taps"] = np.concatenate([e.taps for e in exs])
     for t in exs[0].kv:
         arrays["k_" + _tag(t)] = np.concatenate([e.kv[t][0] for e in exs], axis=1)
         arrays["v_" + _tag(t)] = np.concatenate([e.kv[t][1] for e in exs], axis=1)
@@ -264,7 +278,8 @@ def load_features(folder) -> list[FeatureExample]:
             a, b = int(off[i]), int(off[i + 1])
             kv = {t: (z["k_" + _tag(t)][:, a:b], z["v_" + _tag(t)][:, a:b]) for t in meta["kv"]}
             am = z["argmax"][a:b] if "argmax" in z else None
-            out.append(FeatureExample(z["tokens"][a:b], z["loss"][a:b], z["hidden"][a:b], kv, am))
+            tp = z["taps"][a:b] if "taps" in z else None
+            out.append(FeatureExample(z["tokens"][a:b], z["loss"][a:b], z["hidden"][a:b], kv, am, tp))
     return out
 
 
@@ -286,18 +301,22 @@ def collect(target, prompts: list[list[int]], folder, *, max_new: int = 128, bat
 
 
 def collect_text(target, examples, folder, *, batch_size: int = 8, max_time_s: float | None = None,
-                 progress: bool = True, ranks=None, chunk: int | None = CHUNK) -> dict:
+                 progress: bool = True, ranks=None, chunk: int | None = CHUNK, taps=()) -> dict:
     """Teacher-forced features (:func:`text_features`) of ``examples``
     (``Example``-like: ``tokens``, ``loss``) in ``folder``, shard by shard and
     resumable like :func:`collect`; the next batch computes on the device
-    while the host copies and writes the previous one."""
+    while the host copies and writes the previous one.  ``taps``: target
+    layer ids whose states are kept too (the EAGLE-3 / DFlash kinds' inputs);
+    a folder holds one choice of taps."""
     meta = {"target": str(getattr(target, "path", "")), "hidden_size": target.hidden_size, "kind": "text",
             "num_examples": len(examples), "batch_size": batch_size,
             "kv": {t: None for t in sorted(target.store_layers)},
             "examples_sha256": _sha([[list(map(int, e.tokens)), np.flatnonzero(e.loss).tolist()] for e in examples])}
-    return _collect(folder, meta, ["kind", "num_examples", "batch_size", "examples_sha256"],
+    if taps:
+        meta["taps"] = [int(t) for t in taps]
+    return _collect(folder, meta, ["kind", "num_examples", "batch_size", "examples_sha256", "taps"],
                     [len(e.tokens) for e in examples],
-                    lambda idx: text_features_async(target, [examples[i] for i in idx], chunk),
+                    lambda idx: text_features_async(target, [examples[i] for i in idx], chunk, tuple(taps)),
                     batch_size, max_time_s, progress, "text features", "loss", ranks)
 
 

@@ -4,8 +4,10 @@
 Both read the target's hidden states of a few layers, computed per batch by
 one teacher-forced target forward with layer taps
 (:meth:`mtpflow.targets.base.TargetAdapter.forward_with_taps`) over the data's
-tokens -- text specs, or the token sequences of ``distill:`` / ``cache:``
-feature folders (the self-distilled answers).  The target never receives
+tokens -- text specs, or the token sequences of ``distill:`` feature folders
+(the self-distilled answers) -- or read from ``cache:`` features, whose
+collection keeps the layers the drafter reads (:func:`tap_layers`), and kept
+in memory across epochs with ``--tap-cache-mb`` (:class:`TargetStates`).  The target never receives
 gradients, and the optimiser loop is :func:`mtpflow.train.loop.optimize`
 (resumable checkpoints, progress, ``train_log.jsonl``).
 
@@ -83,18 +85,31 @@ class TargetStates:
         self.rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.bytes = 0
         self.reused = self.computed = 0  # batches
+        self.from_disk = 0
+
+    def preload(self, feats, layers) -> None:
+        """Keep the states of ``cache:`` features collected with these taps
+        (``OUT/features-cache``, float16 on disk), outside the memory budget:
+        example ``i`` is ``feats[i]``."""
+        if tuple(layers) != self.layers:
+            raise ValueError(f"the cached features hold the target layers {list(layers)}, this drafter reads "
+                             f"{list(self.layers)}: collect into a new --out (or delete OUT/features-cache)")
+        for i, f in enumerate(feats):
+            if f.taps is not None:
+                self.rows[i] = (f.hidden, f.taps)
+                self.from_disk += 1
 
     def __call__(self, toks: mx.array, lens, idx=None) -> tuple[mx.array, mx.array]:
         """``(hidden [B, T, H], taps [B, T, n*H])`` of the batch ``toks`` whose
         rows are the examples ``idx`` (``None``: not cacheable)."""
         keep = self.budget > 0 and idx is not None
-        if keep and all(int(i) in self.rows for i in idx):
+        if idx is not None and self.rows and all(int(i) in self.rows for i in idx):
             self.reused += 1
             T = toks.shape[1]
 
             def padded(j):
                 return mx.array(np.stack([np.pad(self.rows[int(i)][j], ((0, T - len(self.rows[int(i)][j])), (0, 0)))
-                                          for i in idx]))
+                                          for i in idx]).astype(np.float32))
 
             return padded(0), padded(1)
         self.computed += 1
@@ -114,8 +129,8 @@ class TargetStates:
         return hidden, g
 
     def summary(self) -> dict:
-        return {"budget_mb": self.budget / 2**20, "examples": len(self.rows), "mb": round(self.bytes / 2**20, 3),
-                "batches_reused": self.reused, "batches_computed": self.computed}
+        return {"budget_mb": self.budget / 2**20, "examples": len(self.rows), "from_disk": self.from_disk,
+                "mb": round(self.bytes / 2**20, 3), "batches_reused": self.reused, "batches_computed": self.computed}
 
 
 # --------------------------------------------------------------------------------------
@@ -321,7 +336,7 @@ class DFlashTrainer:
         geo = next(iter(type(target).attention_geometry(target.config).values()))
         layers = int(opts.pop("num_hidden_layers", 2))
         block = int(opts.pop("block_size", 8))
-        ids = opts.pop("target_layer_ids", [max(0, n // 4), n // 2, max(0, n - 2)])
+        ids = opts.pop("target_layer_ids", _dflash_layer_ids(n))
         mask_id = int(opts.pop("mask_token_id", _unused_token(examples, target.vocab_size)))
         rp = dict(tc.get("rope_parameters") or {})
         rp = dict(rp.get("full_attention", rp))
@@ -377,6 +392,24 @@ class DFlashTrainer:
         (out / "config.json").write_text(json.dumps({**self.hf_config, "torch_dtype": dtype or "float32"}, indent=2))
 
 
+def _dflash_layer_ids(n: int) -> list[int]:
+    """DFlash's default target layers (layer outputs) for an ``n``-layer target."""
+    return [max(0, n // 4), n // 2, max(0, n - 2)]
+
+
+def tap_layers(kind: str, target, options) -> tuple[int, ...]:
+    """The target layers (mtpflow's tap convention) a fresh drafter of
+    ``kind`` with ``options`` reads -- what its trainer's
+    :class:`TargetStates` computes, known before the data is loaded."""
+    from ..drafters.eagle3.config import default_aux_layer_ids
+
+    opts = dict(options or {})
+    n = int(type(target).text_config(target.config)["num_hidden_layers"])
+    if kind == "eagle3":
+        return tuple(opts.get("aux_layer_ids") or default_aux_layer_ids(n))
+    return tuple(int(i) + 1 for i in opts.get("target_layer_ids", _dflash_layer_ids(n)))  # DFlashConfig.taps
+
+
 def _unused_token(examples, vocab: int) -> int:
     """A token id the data never uses (the DFlash mask token), preferring high ids."""
     seen = np.zeros(vocab, bool)
@@ -424,9 +457,12 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
     ranks = ranks or world()
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())
-    examples, _, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks)
+    taps = tap_layers(kind, target, drafter_options)  # what the drafter reads: cache: features keep them
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks, taps=taps)
     mx.random.seed(cfg.seed)
     trainer = (Eagle3Trainer if kind == "eagle3" else DFlashTrainer)(target, drafter_options, examples, cfg)
+    if feats is not None and any(f.taps is not None for f in feats):
+        trainer.states.preload(feats, taps)
     n_loss = cfg.unroll if kind == "eagle3" else trainer.cfg.block_size - 1
 
     def make_batch(step, rows):
@@ -453,7 +489,7 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
         summary["distill"] = distill
     if cache_summary is not None:
         summary["cache"] = cache_summary
-    if cfg.tap_cache_mb:
+    if cfg.tap_cache_mb or trainer.states.from_disk:
         summary["tap_cache"] = trainer.states.summary()
     if ranks.main:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))

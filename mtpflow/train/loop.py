@@ -538,13 +538,15 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
 
 
 # ------------------------------------------------------------------------------ train
-def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None, ranks: Ranks | None = None):
+def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None, ranks: Ranks | None = None,
+                  taps=()):
     """``(examples, feats, distill_summary, cache_summary)`` of a data spec:
     ``distill:`` / ``cache:`` parts are collected (resumably) into
     ``out/features`` / ``out/features-cache`` and loaded (``feats``, and their
     tokens as ``examples``); other specs load as token examples.  With
     several ``ranks`` each collects its share of the shards, then all load
-    the whole folder."""
+    the whole folder.  ``taps``: target layers whose states ``cache:``
+    features keep too (the EAGLE-3 / DFlash kinds)."""
     feats = None
     distill = cache_summary = None
     feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
@@ -564,7 +566,8 @@ def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None,
             else:
                 texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
                 cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
-                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress, ranks=ranks)
+                                                      max_time_s=cfg.cache_time_s, progress=cfg.progress, ranks=ranks,
+                                                      taps=taps)
                 feats += feat_mod.load_features(out / "features-cache")
         if not feats:
             raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
