@@ -90,19 +90,31 @@ def test_dflash_dpace_weights_follow_the_confidence(tmp_path):
     assert all(0.0 < a < 1.0 for a in log[-1]["acc"])
 
 
+def _count_target_forwards(monkeypatch):
+    """``(calls, target_states)``: every teacher-forced target forward of a kind's
+    trainer appends to ``calls``; the real function, to compare against."""
+    import mtpflow.train.kinds as kinds_mod
+
+    calls = []
+    real = kinds_mod.target_states
+    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls, real
+
+
+def _cached_run_settings(kind):
+    """32 examples (selfgen:32:40) in batches of 8: 4 steps an epoch, 12 steps."""
+    return dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind=kind, unroll=3,
+                anchors=4, targets="hard", steps=12)
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_tap_cache_skips_the_target_forward_after_the_first_epoch(kind, tmp_path, monkeypatch):
     """--tap-cache-mb: 32 examples in batches of 8 are 4 steps an epoch; with the
     cache only the first epoch runs the target, and the losses are those of a
     run that recomputes every batch (up to float rounding)."""
-    import mtpflow.train.kinds as kinds_mod
-
     tgt, opts, _ = KINDS[kind]
-    calls = []
-    real = kinds_mod.target_states
-    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
-    common = dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind=kind, unroll=3,
-                  anchors=4, targets="hard", steps=12)
+    calls, real = _count_target_forwards(monkeypatch)
+    common = _cached_run_settings(kind)
     plain = train(tgt, opts, "selfgen:32:40", tmp_path / "plain", **common)
     assert len(calls) == 12 and "tap_cache" not in plain
     calls.clear()
@@ -130,11 +142,8 @@ def test_cache_data_stores_the_kinds_taps_and_training_never_runs_the_target(kin
     from mtpflow.train.loop import _load_target
 
     tgt, opts, _ = KINDS[kind]
-    calls = []
-    real = kinds_mod.target_states
-    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
-    common = dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind=kind, unroll=3,
-                  anchors=4, targets="hard", steps=12)
+    calls, real = _count_target_forwards(monkeypatch)
+    common = _cached_run_settings(kind)
     out = train(tgt, opts, "cache:selfgen:32:40", tmp_path / "o", **common)
     assert calls == [] and out["tap_cache"]["from_disk"] == 32 and out["tap_cache"]["batches_reused"] == 12
     target = _load_target(tgt)

@@ -279,28 +279,29 @@ def load_examples(spec: str, tokenizer=None, max_len: int = 1024, target=None, s
     return out
 
 
-def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+def batch_indices(n: int, batch_size: int, seed: int, step: int, rows: slice | None = None) -> np.ndarray:
     """Example indices of the batch of a global ``step``: a pure function of
     (seed, step), so a resumed run sees exactly the batches an uninterrupted
-    one would; every epoch is a new permutation."""
+    one would; every epoch is a new permutation.  With ``rows``, only those
+    rows of it (a data-parallel rank's part)."""
     per_epoch = max(1, n // batch_size)
     epoch, k = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(n)
     idx = order[k * batch_size : (k + 1) * batch_size]
     if len(idx) < batch_size:  # fewer examples than one batch: wrap around
         idx = np.resize(order, batch_size)
-    return idx
+    return idx if rows is None else idx[rows]
 
 
 def batches(examples: list[Example], batch_size: int, seed: int, step: int, pad_multiple: int = 16,
-            rows: slice | None = None):
+            rows: slice | None = None, idx=None):
     """The batch of a global ``step`` (:func:`batch_indices`); with ``rows``,
-    only those rows of it (a data-parallel rank's part).
+    only those rows of it (a data-parallel rank's part); ``idx``: those
+    examples' indices when the caller has them already.
 
     Returns ``(tokens [B, T] int32, loss [B, T] bool, lengths [B] int32)``."""
-    idx = batch_indices(len(examples), batch_size, seed, step)
-    if rows is not None:
-        idx = idx[rows]
+    if idx is None:
+        idx = batch_indices(len(examples), batch_size, seed, step, rows)
     sel = [examples[i] for i in idx]
     B = len(sel)
     T = max(len(e) for e in sel)

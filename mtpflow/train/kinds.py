@@ -466,9 +466,8 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
     n_loss = cfg.unroll if kind == "eagle3" else trainer.cfg.block_size - 1
 
     def make_batch(step, rows):
-        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, rows=rows)
-        idx = data_mod.batch_indices(len(examples), cfg.batch_size, cfg.seed, step)
-        idx = idx if rows is None else idx[rows]  # the examples of these rows
+        idx = data_mod.batch_indices(len(examples), cfg.batch_size, cfg.seed, step, rows)  # the examples of these rows
+        toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, idx=idx)
         toks, lmask, lens = mx.array(toks_np), mx.array(loss_np), mx.array(lens_np)
         if kind == "eagle3":
             return trainer.batch(toks, lmask, lens, idx=idx), lens_np

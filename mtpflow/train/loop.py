@@ -641,7 +641,7 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
 
     def make_batch(step, rows):
         if feats is not None:
-            idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step)[rows]
+            idx = data_mod.batch_indices(len(feats), cfg.batch_size, cfg.seed, step, rows)
             tp, (toks, lmask, lens) = feature_batch(feats, idx, target, model, unroll=cfg.unroll)
             return (tp, toks, lmask, lens), np.array(lens)
         toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, rows=rows)
