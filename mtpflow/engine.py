@@ -97,6 +97,17 @@ class Session:
             _taps_memo = (needs, needed_layers(needs))
         return _taps_memo[1]
 
+    @property
+    def submit_layers(self) -> bool:
+        """Whether a verify starts each target layer as it is built
+        (``[generation] submit_layers``; "auto": on a CPU device)."""
+        mode = self.config.generation.submit_layers
+        if mode == "auto":
+            import mlx.core as mx
+
+            return mx.default_device() == mx.cpu
+        return mode == "on"
+
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
         a sampler whose processing does not read the drafts' history."""

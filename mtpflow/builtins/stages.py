@@ -188,9 +188,10 @@ def mtpflow_verify(session, state, draft):
     if draft.is_tree:
         # one forward over every node: each at root + depth, seeing its ancestors only
         _, depth, visible = tree_inputs(state, draft)
-        hidden, taps = target.forward_tree(inputs, state.cache, state.positions[:, None] + depth, visible, session.tap_layers)
+        hidden, taps = target.forward_tree(inputs, state.cache, state.positions[:, None] + depth, visible, session.tap_layers,
+                                           submit=session.submit_layers)
     else:
-        hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers)
+        hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers, submit=session.submit_layers)
     return VerifyResult(logits=target.logits(hidden), hidden=hidden, inputs=inputs, taps=taps)
 
 

@@ -127,17 +127,23 @@ class _TreeRope:
 
 class _Tap:
     """Stands in for one decoder layer during a forward: records the residual
-    stream entering it (and, for the last layer, what leaves it)."""
+    stream entering it (and, for the last layer, what leaves it), and with
+    ``submit`` starts computing what leaves it (``mx.async_eval``) before the
+    next layer's graph is built."""
 
-    def __init__(self, layer, index: int, store: dict, want: set, n_layers: int):
+    def __init__(self, layer, index: int, store: dict, want: set, n_layers: int, submit: bool = False):
         self._layer, self._index, self._store, self._want, self._n = layer, index, store, want, n_layers
+        self._submit = submit
 
     def __call__(self, x, *args, **kwargs):
         if self._index in self._want:
             self._store[self._index] = x
         out = self._layer(x, *args, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
         if self._index == self._n - 1 and self._n in self._want:
-            self._store[self._n] = out[0] if isinstance(out, tuple) else out
+            self._store[self._n] = h
+        if self._submit:
+            mx.async_eval(h)
         return out
 
     def __getattr__(self, name):
@@ -247,32 +253,46 @@ class TargetAdapter:
                 out.append(SlotKVCache())
         return out
 
-    def forward_with_taps(self, tokens: mx.array, cache: list, layers=(), **kw):
+    def forward_with_taps(self, tokens: mx.array, cache: list, layers=(), submit: bool = False, **kw):
         """:meth:`forward`, and the hidden states of the target ``layers``:
         ``{l: [B, L, D]}``, the residual stream entering decoder layer ``l``
         (vLLM's / EAGLE-3's convention; ``l = num_layers``: the last layer's
         output before the final norm).  No extra host synchronisation: the
         taps are lazy arrays of the same graph.  ``kw`` goes to :meth:`forward` (e.g. a
-        multimodal adapter's precomputed input embeddings)."""
-        if not layers:
+        multimodal adapter's precomputed input embeddings).
+
+        ``submit``: start computing each decoder layer's output
+        (``mx.async_eval``) as soon as its graph is built, so the layers'
+        compute overlaps the building of the rest of the graph.  On a CPU
+        stream ``async_eval`` returns only when the last few ops of what it
+        was given are in flight, so this is the only way building and compute
+        overlap there; the values are the same.  Never inside ``mx.compile``
+        or a gradient transform (``async_eval`` refuses tracers)."""
+        if not layers and not submit:
             return self.forward(tokens, cache, **kw), {}
         inner = self.inner
         orig = list(inner.layers)
         n = len(orig)
         want = set(layers)
         store: dict = {}
-        inner.layers = [_Tap(layer, i, store, want, n) if (i in want or i == n - 1) else layer for i, layer in enumerate(orig)]
+        # the last layer is left to the caller's async_eval (the final norm and the head follow it)
+        inner.layers = [
+            _Tap(layer, i, store, want, n, submit and i < n - 1) if (submit or i in want or i == n - 1) else layer
+            for i, layer in enumerate(orig)
+        ]
         try:
             hidden = self.forward(tokens, cache, **kw)
         finally:
             inner.layers = orig
         return hidden, {lid: store[lid] for lid in layers}
 
-    def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array, layers=()):
+    def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array, layers=(),
+                     submit: bool = False):
         """One forward over a tree of candidates ``tokens [B, N]`` (node 0:
         the root), node ``i`` at ``positions[:, i]`` (root + depth) seeing the
         cache and, among the nodes, only those with ``visible[:, i, j]`` (its
-        ancestors and itself).  Returns what :meth:`forward_with_taps` does."""
+        ancestors and itself).  Returns what :meth:`forward_with_taps` does
+        (``submit``: as there)."""
         attns = [getattr(layer, "self_attn", None) for layer in self.decoder_layers]
         saved = [(a, a.rope) for a in attns if a is not None and getattr(a, "rope", None) is not None]
         for a, rope in saved:
@@ -280,7 +300,7 @@ class TargetAdapter:
         try:
             for c in cache:
                 c._tree = (positions, visible)
-            return self.forward_with_taps(tokens, cache, layers)
+            return self.forward_with_taps(tokens, cache, layers, submit=submit)
         finally:
             for c in cache:
                 c._tree = None
