@@ -91,6 +91,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="top-k filter, with --temperature > 0 (default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter, with --temperature > 0 (default 0: off)")
     p.add_argument("--seed", type=int, help="sampling seed (mtpflow rows and mlx-lm's generator; default: unseeded)")
+    p.add_argument("--submit-layers", choices=("auto", "on", "off"), default="auto",
+                   help="mtpflow's verify starts each target layer as it is built ([generation] submit_layers; auto: on a CPU device)")
     p.add_argument("--sync-timing", action="store_true",
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")
@@ -559,7 +561,7 @@ def _config(args):
         "model": {"model": target, "draft_model": draft, "draft_kind": args.draft_kind, "dtype": args.dtype},
         "draft": {"block_size": max(args.block_sizes), "policy": args.policy},
         "batch": {"max_batch_size": max(args.batch_sizes)},
-        "generation": {"max_tokens": args.max_tokens},
+        "generation": {"max_tokens": args.max_tokens, "submit_layers": args.submit_layers},
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p, "seed": args.seed},
     })
@@ -820,6 +822,7 @@ def run_bench(args) -> int:
             "ignore_eos": not args.stop_at_eos,
             "sync_timing": args.sync_timing,
             "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
+            "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
             "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
             "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",
