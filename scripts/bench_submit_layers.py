@@ -1,0 +1,62 @@
+"""mlx-lm against mtpflow's null path with ``submit_layers`` on and off, the three
+interleaved in one process in shuffled order (one shared model), so a noisy host
+drifts the same way for all three.
+
+    python scripts/bench_submit_layers.py [REPEATS] [TARGET]
+
+Prints each engine's median tokens/s, the ratio of medians to mlx-lm and the
+paired median ratio (docs/benchmarks.md (r)).
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+from mtpflow._blas import ensure_fast_blas
+
+ensure_fast_blas()
+
+from mtpflow import bench  # noqa: E402
+from mtpflow.engine import Session, load_session  # noqa: E402
+from mtpflow.logs import null_logger  # noqa: E402
+
+
+def main() -> None:
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    target = sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/hf_gemma4/pair_e/target"
+    p = argparse.ArgumentParser()
+    bench.add_bench_arguments(p)
+    args = p.parse_args(["--target", target, "--block-sizes", "1", "--batch-sizes", "1", "--max-tokens", "64",
+                         "--prompts", "tiny", "--no-plots"])
+    session = load_session(bench._config(args), log=null_logger())
+    texts, _ = bench.load_prompt_texts(args.prompts)
+    prompts = bench.encode_prompts(session.tokenizer, texts, False)
+    mlx, mtp = bench.build_variants(args, session, prompts)  # mlx_lm b1, mtpflow-null b1
+    flag = {"on": True}
+    Session.submit_layers = property(lambda self: flag["on"])  # this process only
+
+    def run(v):
+        t = time.perf_counter()
+        n = v.run(prompts, args.max_tokens, bench.RoundCollector())["tokens"]
+        return n / (time.perf_counter() - t)
+
+    for v in (mlx, mtp):  # warm up
+        run(v)
+    res = {"mlx_lm": [], "mtpflow on": [], "mtpflow off": []}
+    for i in range(repeats):
+        jobs = list(res)
+        random.Random(i).shuffle(jobs)
+        for j in jobs:
+            flag["on"] = j == "mtpflow on"
+            res[j].append(run(mlx if j == "mlx_lm" else mtp))
+    base = res["mlx_lm"]
+    for k, xs in res.items():
+        paired = statistics.median(x / b for x, b in zip(xs, base))
+        print(f"{k:12s} {statistics.median(xs):8.1f} tok/s  ratio of medians {statistics.median(xs) / statistics.median(base):.3f}"
+              f"  paired median {paired:.3f}")
+
+
+if __name__ == "__main__":
+    main()
