@@ -89,6 +89,28 @@ def test_trees_and_the_null_path_submit_too(monkeypatch):
         assert sum(1 for c in seen.calls if len(c) == 1 and c[0].ndim == 3 and c[0].shape[-1] == hs) >= per_round * s.stats.rounds
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_draft_model_submits_its_layers_as_the_target_does(monkeypatch, mode):
+    """The ``model`` kind's k small forwards per round start layer by layer too."""
+    s = make_session("e", block_size=4, with_drafter=False, generation={"submit_layers": mode},
+                     model={"draft_kind": "model", "draft_model": str(FIXTURES / "pair_d" / "target")})
+    ids = prompt("short")
+    calls = []
+    real = s.drafter.model.forward_with_taps
+
+    def spy(tokens, cache, layers=(), submit=False, **kw):
+        calls.append(submit)
+        return real(tokens, cache, layers, submit=submit, **kw)
+
+    monkeypatch.setattr(s.drafter.model, "forward_with_taps", spy)
+    assert decode(s, ids, 20) == reference(s, ids, 20)
+    on = mode == "on"
+    # one forward per drafted token (the catch-up, then k - 1 single steps) follows the setting;
+    # the drafter's own prefill does not submit
+    assert calls.count(on) >= s.stats.draft_tokens > 0
+    assert calls.count(not on) == (1 if on else 0)
+
+
 def test_auto_is_on_for_a_cpu_device_and_a_bad_value_is_refused():
     s = make_session("e", with_drafter=False)
     assert s.config.generation.submit_layers == "auto"

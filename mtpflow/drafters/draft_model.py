@@ -265,7 +265,8 @@ class DraftModelDrafter:
         L = max(lens)
         tokens = mx.array([c + [PAD_ID] * (L - n) for c, n in zip(catch, lens)], dtype=mx.int32)
         target.set_offsets(self.cache, mx.array(fed, dtype=mx.int32))
-        hidden = target.forward(tokens, self.cache)
+        submit = session.submit_layers  # as the target's verify: each layer starts as it is built
+        hidden, _ = target.forward_with_taps(tokens, self.cache, (), submit=submit)
         nxt = mx.array([len(s) for s in seqs], dtype=mx.int32)  # p0 + 1 per row
         if L > 1:
             last = mx.array([n - 1 for n in lens], dtype=mx.int32)
@@ -276,7 +277,7 @@ class DraftModelDrafter:
         out = [tok]
         for j in range(n_draft - 1):
             target.set_offsets(self.cache, nxt + j)
-            hidden = target.forward(tok[:, None], self.cache)
+            hidden, _ = target.forward_with_taps(tok[:, None], self.cache, (), submit=submit)
             tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
             out.append(tok)
         for info, s in zip(infos, seqs):
