@@ -92,7 +92,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter, with --temperature > 0 (default 0: off)")
     p.add_argument("--seed", type=int, help="sampling seed (mtpflow rows and mlx-lm's generator; default: unseeded)")
     p.add_argument("--submit-layers", choices=("auto", "on", "off"), default="auto",
-                   help="mtpflow's verify starts each target layer as it is built ([generation] submit_layers; auto: on a CPU device)")
+                   help="mtpflow's verify (and a draft model) starts each layer as it is built ([generation] submit_layers; auto: on a CPU device)")
     p.add_argument("--sync-timing", action="store_true",
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")

@@ -138,8 +138,8 @@ class BatchConfig:
 @frozen(kw_only=True)
 class GenerationConfig:
     max_tokens: int = field(default=256, validator=[_ge(1)])
-    #: start computing each target layer as soon as its graph is built (a
-    #: verify's building overlaps its compute): "auto" = on a CPU device, where
+    #: start computing each layer of a verify (and of a draft model's forwards) as
+    #: soon as its graph is built, so building overlaps compute: "auto" = on a CPU device, where
     #: ``mx.async_eval`` cannot run ahead of the host; "on"; "off"
     submit_layers: Literal["auto", "on", "off"] = "auto"
 

@@ -99,8 +99,8 @@ class Session:
 
     @property
     def submit_layers(self) -> bool:
-        """Whether a verify starts each target layer as it is built
-        (``[generation] submit_layers``; "auto": on a CPU device)."""
+        """Whether a verify (and a draft model's forwards) starts each layer as
+        it is built (``[generation] submit_layers``; "auto": on a CPU device)."""
         mode = self.config.generation.submit_layers
         if mode == "auto":
             import mlx.core as mx

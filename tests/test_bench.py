@@ -153,12 +153,12 @@ def test_sampled_bench_runs_every_engine_at_the_same_settings(tmp_path):
     args = parse("--target", FIX / "target", "--draft-model", FIX / "drafter", "--block-sizes", "3",
                  "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--max-tokens", "4",
                  "--out", tmp_path, "--no-progress", "--no-plots", "--no-default", "--no-null",
-                 "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--submit-layers", "off")
+                 "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--submit-layers", "on")
     assert run_bench(args) == 0
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["meta"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": 7}
-    assert res["meta"]["submit_layers"] == {"setting": "off", "on": False}
-    assert _config(parse("--submit-layers", "on")).generation.submit_layers == "on"
+    assert res["meta"]["submit_layers"] == {"setting": "on", "on": True}
+    assert _config(parse("--submit-layers", "off")).generation.submit_layers == "off"
     assert _config(parse()).generation.submit_layers == "auto"
     assert not [v for v in res["variants"] if "failed" in v]
     assert len(res["variants"]) == 4 and all(v["tokens"] == 4 * 4 for v in res["variants"])

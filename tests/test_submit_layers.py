@@ -50,8 +50,9 @@ def test_a_submitted_forward_equals_one_graph_and_starts_every_layer_but_the_las
         # each submitted array is one layer's output, built and not yet evaluated by anyone else
         assert len(seen.calls) == (n - 1 if submit else 0)
         assert all(len(c) == 1 and c[0].shape == hidden.shape for c in seen.calls)
-        mx.eval(hidden, *got.values(), *[c.keys for c in cache])
-        outs[submit] = (np.array(hidden), {k: np.array(v) for k, v in got.items()}, [np.array(c.keys) for c in cache])
+        mx.eval(hidden, *got.values(), *[c.keys for c in cache], *[c.values for c in cache])
+        outs[submit] = (np.array(hidden), {k: np.array(v) for k, v in got.items()},
+                        [np.array(a) for c in cache for a in (c.keys, c.values, c.positions)])
         monkeypatch.undo()
     (h0, t0, k0), (h1, t1, k1) = outs[False], outs[True]
     assert np.array_equal(h0, h1)
@@ -80,10 +81,19 @@ def test_trees_and_the_null_path_submit_too(monkeypatch):
     for block, tree in ((1, "off"), (3, "2,1")):
         s = make_session("e", block_size=block, draft={"tree": tree, "policy": "fixed"}, generation={"submit_layers": "on"})
         ids = prompt("short")
+        trees = []
+        real_tree = s.target.forward_tree
+
+        def spy(*a, submit=False, **kw):
+            trees.append(submit)
+            return real_tree(*a, submit=submit, **kw)
+
         seen = AsyncEvals(monkeypatch)
+        monkeypatch.setattr(s.target, "forward_tree", spy)
         out = decode(s, ids, 20)
         monkeypatch.undo()
         assert out == reference(s, ids, 20)
+        assert trees == ([] if tree == "off" else [True] * len(trees)) and (tree == "off" or trees)
         hs = s.target.hidden_size
         per_round = len(s.target.inner.layers) - 1
         assert sum(1 for c in seen.calls if len(c) == 1 and c[0].ndim == 3 and c[0].shape[-1] == hs) >= per_round * s.stats.rounds
@@ -111,9 +121,13 @@ def test_a_draft_model_submits_its_layers_as_the_target_does(monkeypatch, mode):
     assert calls.count(not on) == (1 if on else 0)
 
 
-def test_auto_is_on_for_a_cpu_device_and_a_bad_value_is_refused():
+def test_auto_is_on_for_a_cpu_device_and_a_bad_value_is_refused(monkeypatch):
     s = make_session("e", with_drafter=False)
     assert s.config.generation.submit_layers == "auto"
-    assert s.submit_layers is (mx.default_device() == mx.cpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    assert s.submit_layers is True
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # Metal / CUDA: async_eval runs ahead already
+    assert s.submit_layers is False
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="submit_layers"):
         load_config(overrides={"generation": {"submit_layers": "sometimes"}})

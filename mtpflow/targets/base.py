@@ -268,7 +268,7 @@ class TargetAdapter:
         was given are in flight, so this is the only way building and compute
         overlap there; the values are the same.  Never inside ``mx.compile``
         or a gradient transform (``async_eval`` refuses tracers)."""
-        if not layers and not submit:
+        if not layers and not (submit and hasattr(self.inner, "layers")):
             return self.forward(tokens, cache, **kw), {}
         inner = self.inner
         orig = list(inner.layers)
