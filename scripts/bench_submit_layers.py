@@ -18,8 +18,10 @@ from mtpflow._blas import ensure_fast_blas
 
 ensure_fast_blas()
 
+import attrs  # noqa: E402
+
 from mtpflow import bench  # noqa: E402
-from mtpflow.engine import Session, load_session  # noqa: E402
+from mtpflow.engine import load_session  # noqa: E402
 from mtpflow.logs import null_logger  # noqa: E402
 
 
@@ -34,23 +36,27 @@ def main() -> None:
     texts, _ = bench.load_prompt_texts(args.prompts)
     prompts = bench.encode_prompts(session.tokenizer, texts, False)
     mlx, mtp = bench.build_variants(args, session, prompts)  # mlx_lm b1, mtpflow-null b1
-    flag = {"on": True}
-    Session.submit_layers = property(lambda self: flag["on"])  # this process only
+
+    def null_path(mode):  # the null variant's session with [generation] submit_layers = mode
+        cfg = mtp.session.config
+        s = attrs.evolve(mtp.session, config=attrs.evolve(cfg, generation=attrs.evolve(cfg.generation, submit_layers=mode)))
+        return bench.MTPFlowVariant(f"mtpflow {mode}", 1, 1, mtp.kind, s, mtp.ignore_eos)
+
+    engines = {"mlx_lm": mlx, "mtpflow on": null_path("on"), "mtpflow off": null_path("off")}
 
     def run(v):
         t = time.perf_counter()
         n = v.run(prompts, args.max_tokens, bench.RoundCollector())["tokens"]
         return n / (time.perf_counter() - t)
 
-    for v in (mlx, mtp):  # warm up
+    for v in engines.values():  # warm up
         run(v)
-    res = {"mlx_lm": [], "mtpflow on": [], "mtpflow off": []}
+    res = {k: [] for k in engines}
     for i in range(repeats):
-        jobs = list(res)
+        jobs = list(engines)
         random.Random(i).shuffle(jobs)
         for j in jobs:
-            flag["on"] = j == "mtpflow on"
-            res[j].append(run(mlx if j == "mlx_lm" else mtp))
+            res[j].append(run(engines[j]))
     base = res["mlx_lm"]
     for k, xs in res.items():
         paired = statistics.median(x / b for x, b in zip(xs, base))

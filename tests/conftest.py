@@ -15,6 +15,13 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf_gemma4"
 PROMPTS = ("short", "edge", "long")
 
 
+def prompt(pair: str, name: str) -> list[int]:
+    """The prompt ids of a fixture pair's ``generate_<name>.json``."""
+    import json
+
+    return json.loads((FIXTURES / f"pair_{pair}" / f"generate_{name}.json").read_text())["prompt_ids"]
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES

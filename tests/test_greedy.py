@@ -1,11 +1,10 @@
 """Greedy speculative output equals target-only greedy output."""
 
-import json
 import random
 
 import mlx.core as mx
 import pytest
-from conftest import FIXTURES, RoundLog, make_session, reference
+from conftest import RoundLog, make_session, prompt, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,10 +12,6 @@ from mtpflow import hookimpl
 from mtpflow.engine import generate, generate_stream, make_request, target_only_greedy
 from mtpflow.plugins import make_plugin_manager
 from mtpflow.state import DraftBlock
-
-
-def prompt(pair, name):
-    return json.loads((FIXTURES / f"pair_{pair}" / f"generate_{name}.json").read_text())["prompt_ids"]
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,13 @@ round's verify before its own sync (as mlx-lm's ``generate_step``).  Outputs
 must be exactly those without it: greedy equals target-only, seeded sampling is
 the same stream, and ragged, stopping and joining rows drop a stale lookahead."""
 
-import json
 
 import pytest
-from conftest import FIXTURES, drive_with_late_joiners, make_session, reference
+from conftest import drive_with_late_joiners, make_session, prompt, reference
 
 from mtpflow.builtins import stages
 from mtpflow.engine import generate_stream, make_request
 from mtpflow.state import SamplingParams
-
-
-def prompt(pair, name):
-    return json.loads((FIXTURES / f"pair_{pair}" / f"generate_{name}.json").read_text())["prompt_ids"]
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,13 @@ submit_layers``): on a CPU stream ``mx.async_eval`` returns only when the
 last few ops are in flight, so this is how graph building overlaps compute.
 The values must be exactly those of one graph evaluated at the end."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, make_session, reference
+from conftest import FIXTURES, make_session, prompt, reference
 
 from mtpflow.config import ConfigError, load_config
 from mtpflow.engine import generate_stream, make_request
-
-
-def prompt(name):
-    return json.loads((FIXTURES / "pair_e" / f"generate_{name}.json").read_text())["prompt_ids"]
 
 
 class AsyncEvals:
@@ -43,8 +37,8 @@ def test_a_submitted_forward_equals_one_graph_and_starts_every_layer_but_the_las
     n = len(target.inner.layers)
     outs = {}
     for submit in (False, True):
-        cache, _ = target.prefill([prompt("long")])
-        target.set_offsets(cache, mx.array([len(prompt("long"))], dtype=mx.int32))
+        cache, _ = target.prefill([prompt("e", "long")])
+        target.set_offsets(cache, mx.array([len(prompt("e", "long"))], dtype=mx.int32))
         seen = AsyncEvals(monkeypatch)
         hidden, got = target.forward_with_taps(mx.array([[7, 11]], dtype=mx.int32), cache, taps, submit=submit)
         # each submitted array is one layer's output, built and not yet evaluated by anyone else
@@ -65,7 +59,7 @@ def test_decoding_submits_layers_only_when_asked_and_the_tokens_do_not_change(mo
     s = make_session("e", block_size=3, generation={"submit_layers": mode})
     n = len(s.target.inner.layers)
     assert s.submit_layers is (mode == "on")
-    ids = prompt("long")
+    ids = prompt("e", "long")
     seen = AsyncEvals(monkeypatch)
     out = decode(s, ids, 24)
     monkeypatch.undo()
@@ -80,7 +74,7 @@ def test_decoding_submits_layers_only_when_asked_and_the_tokens_do_not_change(mo
 def test_trees_and_the_null_path_submit_too(monkeypatch):
     for block, tree in ((1, "off"), (3, "2,1")):
         s = make_session("e", block_size=block, draft={"tree": tree, "policy": "fixed"}, generation={"submit_layers": "on"})
-        ids = prompt("short")
+        ids = prompt("e", "short")
         trees = []
         real_tree = s.target.forward_tree
 
@@ -104,7 +98,7 @@ def test_a_draft_model_submits_its_layers_as_the_target_does(monkeypatch, mode):
     """The ``model`` kind's k small forwards per round start layer by layer too."""
     s = make_session("e", block_size=4, with_drafter=False, generation={"submit_layers": mode},
                      model={"draft_kind": "model", "draft_model": str(FIXTURES / "pair_d" / "target")})
-    ids = prompt("short")
+    ids = prompt("e", "short")
     calls = []
     real = s.drafter.model.forward_with_taps
 
