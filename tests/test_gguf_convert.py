@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -288,11 +287,20 @@ def test_smollm_folder_files(smollm_dir: Path) -> None:
     assert gen["eos_token_id"] == [2] and gen["bos_token_id"] == 1
 
 
-def test_cache_second_load_is_fast(smollm_dir: Path, smollm_gguf: Path, cache_dir: Path) -> None:
-    start = time.perf_counter()
+def test_cache_second_load_does_not_convert_again(smollm_dir: Path, smollm_gguf: Path, cache_dir: Path, monkeypatch) -> None:
+    import mtpflow.convert.gguf as gguf_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("a cached GGUF was converted again")
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", refuse)
+    before = (smollm_dir / "model.safetensors").stat().st_mtime_ns
     again = load_gguf_cached(smollm_gguf, cache_dir=cache_dir)
     assert again == smollm_dir
-    assert time.perf_counter() - start < 1.0
+    assert (smollm_dir / "model.safetensors").stat().st_mtime_ns == before
+    # a fresh cache folder does convert (so the refusal above is what a hit avoided)
+    with pytest.raises(AssertionError, match="converted again"):
+        load_gguf_cached(smollm_gguf, cache_dir=cache_dir / "elsewhere")
 
 
 # --------------------------------------------------------------------------
