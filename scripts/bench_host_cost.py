@@ -10,7 +10,6 @@ submitting graphs (inside ``mx.eval`` / ``mx.async_eval``), building the model's
 text model's ``__call__``) and all other Python (docs/benchmarks.md (s)).
 """
 
-import argparse
 import collections
 import random
 import sys
@@ -21,10 +20,9 @@ from mtpflow._blas import ensure_fast_blas
 ensure_fast_blas()
 
 import mlx.core as mx  # noqa: E402
+from bench_submit_layers import FIXTURE, batch_one_engines  # noqa: E402  (this folder)
 
 from mtpflow import bench  # noqa: E402
-from mtpflow.engine import load_session  # noqa: E402
-from mtpflow.logs import null_logger  # noqa: E402
 
 spent = collections.Counter()
 
@@ -42,15 +40,8 @@ def timed(name, fn):
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    target = sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/hf_gemma4/pair_e/target"
-    p = argparse.ArgumentParser()
-    bench.add_bench_arguments(p)
-    args = p.parse_args(["--target", target, "--block-sizes", "1", "--batch-sizes", "1", "--max-tokens", "64",
-                         "--prompts", "tiny", "--no-plots", "--submit-layers", "off"])
-    session = load_session(bench._config(args), log=null_logger())
-    texts, _ = bench.load_prompt_texts(args.prompts)
-    prompts = bench.encode_prompts(session.tokenizer, texts, False)
-    mlx, mtp = bench.build_variants(args, session, prompts)
+    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE, "--submit-layers", "off")
+    session = mtp.session
     assert not mtp.session.submit_layers
     # every caller looks these up on the module at call time (mlx-lm's generate_step as well)
     mx.eval, mx.async_eval = timed("submit", mx.eval), timed("submit", mx.async_eval)

@@ -24,18 +24,26 @@ from mtpflow import bench  # noqa: E402
 from mtpflow.engine import load_session  # noqa: E402
 from mtpflow.logs import null_logger  # noqa: E402
 
+FIXTURE = "tests/fixtures/hf_gemma4/pair_e/target"
 
-def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-    target = sys.argv[2] if len(sys.argv) > 2 else "tests/fixtures/hf_gemma4/pair_e/target"
+
+def batch_one_engines(target: str, *flags: str):
+    """``(args, prompts, mlx_lm b1, mtpflow-null b1)`` on ``target``: the tiny prompts, 64 tokens
+    (scripts/bench_host_cost.py uses them too)."""
     p = argparse.ArgumentParser()
     bench.add_bench_arguments(p)
     args = p.parse_args(["--target", target, "--block-sizes", "1", "--batch-sizes", "1", "--max-tokens", "64",
-                         "--prompts", "tiny", "--no-plots"])
+                         "--prompts", "tiny", "--no-plots", *flags])
     session = load_session(bench._config(args), log=null_logger())
     texts, _ = bench.load_prompt_texts(args.prompts)
     prompts = bench.encode_prompts(session.tokenizer, texts, False)
-    mlx, mtp = bench.build_variants(args, session, prompts)  # mlx_lm b1, mtpflow-null b1
+    mlx, mtp = bench.build_variants(args, session, prompts)
+    return args, prompts, mlx, mtp
+
+
+def main() -> None:
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE)
 
     def null_path(mode):  # the null variant's session with [generation] submit_layers = mode
         cfg = mtp.session.config
