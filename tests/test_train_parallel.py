@@ -115,6 +115,14 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch_and_resume_on_one(tmp_pat
     # a wrong split of the batch moves weights by ~lr (3e-3) per step
     for k in at3:
         assert np.allclose(got[k], at3[k], rtol=1e-4, atol=5e-5), (k, np.abs(got[k] - at3[k]).max())
+    # and the tolerance tells a wrong split apart: training on one rank's half of every batch
+    # (what a rank that skipped the all-reduce would do) moves some weight far past it
+    half = tmp_path / "half"
+    shutil.copytree(one / "features-cache", half / "features-cache")  # the same collected features
+    train(PAIR_E, drafter, data, half, stop_at=3, **{**kw, "batch_size": 4})
+    wrong = _params(half)
+    moved = max(float(np.abs(wrong[k] - at3[k]).max()) for k in at3)
+    assert moved > 20 * 5e-5, moved
     assert json.loads((two / "checkpoint" / "state.json").read_text())["ranks"] == 2
     # each rank collected its share of the shards into the shared folder: together, all of them
     shards = sorted(p.name for p in (one / "features-cache").glob("shard-*.npz"))
