@@ -42,7 +42,7 @@ def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE, "--submit-layers", "off")
     session = mtp.session
-    assert not mtp.session.submit_layers
+    assert not session.submit_layers
     # every caller looks these up on the module at call time (mlx-lm's generate_step as well)
     mx.eval, mx.async_eval = timed("submit", mx.eval), timed("submit", mx.async_eval)
     inner = type(session.target.inner)

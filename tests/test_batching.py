@@ -1,16 +1,14 @@
 """Batches with ragged acceptance, rows that leave, and rows that join."""
 
-import json
-
 import pytest
-from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
+from conftest import RoundLog, drive_with_late_joiners, make_session, prompt, reference
 
 from mtpflow.engine import Batcher, generate_stream, make_request
 from mtpflow.plugins import make_plugin_manager
 
 
 def prompts(pair):
-    base = [json.loads((FIXTURES / f"pair_{pair}" / f"generate_{n}.json").read_text())["prompt_ids"] for n in ("short", "edge", "long")]
+    base = [prompt(pair, n) for n in ("short", "edge", "long")]
     long_ = base[2]
     # lengths 3 .. 56: several past the 16-token sliding window
     return [base[0][:3], base[0], base[1], long_[:25], long_, long_ + base[1], base[1][::-1], long_[5:35]]

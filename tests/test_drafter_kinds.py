@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, reference
+from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, prompt, reference
 
 from mtpflow.drafters.draft_model import DraftModelDrafter, DraftModelError, check_tokenizers
 from mtpflow.drafters.ngram import NgramDrafter, _RowIndex
@@ -21,7 +21,7 @@ KINDS = {
 
 
 def _prompts():
-    base = [json.loads((FIXTURES / "pair_e" / f"generate_{n}.json").read_text())["prompt_ids"] for n in ("short", "edge", "long")]
+    base = [prompt("e", n) for n in ("short", "edge", "long")]
     # lengths 40, 10, 23: two past the 16-token sliding window
     return [base[2], base[0], base[2][:7] + base[1]]
 

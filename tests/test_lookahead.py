@@ -3,7 +3,6 @@ round's verify before its own sync (as mlx-lm's ``generate_step``).  Outputs
 must be exactly those without it: greedy equals target-only, seeded sampling is
 the same stream, and ragged, stopping and joining rows drop a stale lookahead."""
 
-
 import pytest
 from conftest import drive_with_late_joiners, make_session, prompt, reference
 

@@ -1,12 +1,11 @@
 """The generic KV-sharing assistant drafter (kind ``assistant``): lossless
 greedy speculative decoding on a Gemma 4 and a llama target, save/load."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from conftest import prompt as fixture_prompt
 
 from mtpflow.config import load_config
 from mtpflow.drafters.mtpflow_assistant.config import IncompatibleDrafter, check_compatible, make_config, target_geometry
@@ -82,7 +81,7 @@ def test_auto_detected_kind(pair_e_session):
 @pytest.mark.parametrize("block", [2, 3, 4, 5, 6])
 def test_gemma4_target_greedy_matches_target_only(pair_e_session, block):
     s, _ = pair_e_session
-    prompt = json.loads((FIXTURES / "pair_e" / "generate_long.json").read_text())["prompt_ids"]
+    prompt = fixture_prompt("e", "long")
     ref = target_only_greedy(s.target, prompt, 40, s.target.eos_ids)
     assert run(s, prompt, 40, block) == ref
     assert s.stats.draft_tokens > 0

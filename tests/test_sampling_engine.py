@@ -1,14 +1,13 @@
 """Lossless sampling through the whole engine: speculative output is
 distributed exactly as target-only sampling (temperature > 0)."""
 
-import json
 import math
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, ModelFreeDrafter, make_session
+from conftest import ModelFreeDrafter, make_session, prompt
 
 from mtpflow import hookimpl
 from mtpflow.engine import generate_stream, make_request
@@ -18,7 +17,7 @@ from mtpflow.state import DraftBlock, SamplingParams
 
 N = 20_000
 CHUNK = 5_000
-PROMPT = json.loads((FIXTURES / "pair_e" / "generate_long.json").read_text())["prompt_ids"][:12]
+PROMPT = prompt("e", "long")[:12]
 BLOCK = 2  # one draft per row: the second and third tokens come from the speculative round
 
 
