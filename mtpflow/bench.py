@@ -93,6 +93,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="sampling seed (mtpflow rows and mlx-lm's generator; default: unseeded)")
     p.add_argument("--submit-layers", choices=("auto", "on", "off"), default="auto",
                    help="mtpflow's verify (and a draft model) starts each layer as it is built ([generation] submit_layers; auto: on a CPU device)")
+    p.add_argument("--fuse-fallbacks", choices=("auto", "on", "off"), default="auto",
+                   help="mtpflow runs RMSNorm and RoPE as fused kernels where MLX has none ([generation] fuse_fallbacks; "
+                        "auto: on a CPU device); the mlx_lm rows always run mlx-lm's own modules")
     p.add_argument("--sync-timing", action="store_true",
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
     p.add_argument("--no-baseline", action="store_true", help="skip the mlx-lm target-only baseline")
@@ -307,6 +310,12 @@ class MLXLMVariant(Variant):
                             min_p=sc.min_p, top_k=sc.top_k)
 
     def run(self, prompts, max_tokens, collector):
+        from . import fusion
+
+        with fusion.stock(self.model, self.draft_model):  # mlx-lm as it ships, whatever mtpflow fused
+            return self._run(prompts, max_tokens, collector)
+
+    def _run(self, prompts, max_tokens, collector):
         tokens = rounds = 0
         t_first = []
         t0 = time.perf_counter()
@@ -561,7 +570,8 @@ def _config(args):
         "model": {"model": target, "draft_model": draft, "draft_kind": args.draft_kind, "dtype": args.dtype},
         "draft": {"block_size": max(args.block_sizes), "policy": args.policy},
         "batch": {"max_batch_size": max(args.batch_sizes)},
-        "generation": {"max_tokens": args.max_tokens, "submit_layers": args.submit_layers},
+        "generation": {"max_tokens": args.max_tokens, "submit_layers": args.submit_layers,
+                       "fuse_fallbacks": args.fuse_fallbacks},
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p, "seed": args.seed},
     })
@@ -705,6 +715,7 @@ def run_bench(args) -> int:
     from ._blas import ensure_fast_blas
 
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
+    from . import fusion
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise BenchError("--repeats and --max-tokens must be >= 1, --warmup >= 0")
     if not args.no_plots:
@@ -823,6 +834,8 @@ def run_bench(args) -> int:
             "sync_timing": args.sync_timing,
             "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
             "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
+            "fuse_fallbacks": {"setting": cfg.generation.fuse_fallbacks,
+                               "on": fusion.is_fused(session.target.model), "mlx_lm": "mlx-lm's own modules"},
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
             "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
             "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",

@@ -281,6 +281,20 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy, max_block_size=ceiling))
 
 
+def fusable_modules(target, drafter=None) -> list:
+    """The ``nn.Module`` trees :mod:`mtpflow.fusion` may fuse: the target's
+    model and the drafter's (its ``model``: a module, or a draft model's
+    target adapter)."""
+    import mlx.nn as nn
+
+    out = [target.model] if isinstance(getattr(target, "model", None), nn.Module) else []
+    m = getattr(drafter, "model", None)
+    m = getattr(m, "model", m) if not isinstance(m, nn.Module) else m
+    if isinstance(m, nn.Module) and all(m is not o for o in out):
+        out.append(m)
+    return out
+
+
 def load_session(
     config: Config,
     plugins: Plugins | None = None,
@@ -366,6 +380,12 @@ def load_session(
         why = check_needs(getattr(drafter, "needs", None))
         if why:
             raise PluginError(f"drafter kind {kind!r}: {why}")
+
+    from . import fusion
+
+    if fusion.wanted(config.generation.fuse_fallbacks):
+        for m in fusable_modules(target, drafter):
+            fusion.fuse(m)
 
     tokenizer = None
     if load_tokenizer and ((tpath / "tokenizer.json").is_file() or (tpath / "tokenizer.model").is_file()):

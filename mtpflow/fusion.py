@@ -1,0 +1,173 @@
+"""Fused forms of the ops MLX's CPU backend runs as graphs of primitives.
+
+On a CPU stream MLX has no kernel for ``mx.fast.rms_norm`` or ``mx.fast.rope``:
+each call expands into its fallback, ~11 and ~28 graph nodes, and the thread
+that submits a graph pays a few microseconds per node (docs/benchmarks.md (s),
+(t)).  On a small model that submission, not the arithmetic, bounds a token.
+``mx.compile`` fuses each fallback's elementwise runs into single nodes, with
+the same values bit for bit (the fused code performs the same float32
+operations in the same order; ``tests/test_fusion.py`` compares them).
+
+:func:`fuse` swaps, in place, the class of every RMSNorm and RoPE module it
+knows under a module for a subclass that runs the fused form (parameters,
+``isinstance`` and saving are unchanged); :func:`unfuse` and :func:`stock`
+restore mlx-lm's own classes.  A call the fused form does not cover (mixed
+dtypes, an ``int`` RoPE offset, extra arguments, a large input such as a
+prefill chunk) runs the original code.
+
+Only worth it where MLX has no kernel of its own: ``[generation]
+fuse_fallbacks = "auto"`` fuses on a CPU device only (Metal and CUDA run both
+ops as one kernel already).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+#: a RoPE input up to this many elements runs fused (decode steps, verifies,
+#: trees); larger ones (prefill chunks) run the original code, so the traces a
+#: RoPE module keeps (one per input shape) stay few
+ROPE_FUSE_MAX_ELEMENTS = 1 << 17
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x, weight, eps):
+    # MLX's fallback: float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)).astype(x.dtype) * weight
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm_no_scale(x, eps):
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)).astype(x.dtype)
+
+
+_eps_arrays: dict = {}
+
+
+def _eps(eps: float) -> mx.array:
+    a = _eps_arrays.get(eps)
+    if a is None:
+        a = _eps_arrays[eps] = mx.array(eps, dtype=mx.float32)
+    return a
+
+
+class _FusedRMSNorm:
+    """Mixed into ``nn.RMSNorm``: ``mx.fast.rms_norm(x, weight, eps)``, fused."""
+
+    def __call__(self, x):
+        w = self.weight
+        if x.dtype != w.dtype:
+            return super().__call__(x)
+        return _rms_norm(x, w, _eps(self.eps))
+
+
+class _FusedRMSNormNoScale:
+    """Mixed into a norm whose call is ``mx.fast.rms_norm(x, None, eps)``."""
+
+    def __call__(self, x):
+        return _rms_norm_no_scale(x, _eps(self.eps))
+
+
+class _FusedRoPE:
+    """Mixed into a RoPE module whose call depends only on ``(x, offset)`` and
+    the module's own constants: that call, compiled once per input shape."""
+
+    def __call__(self, x, offset=0, *args, **kwargs):
+        if args or kwargs or not isinstance(offset, mx.array) or x.size > ROPE_FUSE_MAX_ELEMENTS:
+            return super().__call__(x, offset, *args, **kwargs)
+        fn = self.__dict__.get("_mtpflow_fused")
+        if fn is None:
+            base = type(self).__mro__[2]  # the original class (after the mixin)
+            fn = mx.compile(partial(base.__call__, self))
+            object.__setattr__(self, "_mtpflow_fused", fn)
+        return fn(x, offset)
+
+
+def _known() -> dict:
+    """``{original class: mixin}`` of the modules :func:`fuse` swaps."""
+    known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE}
+    try:
+        from mlx_lm.models import rope_utils
+
+        for name in ("Llama3RoPE", "ProportionalRoPE", "YarnRoPE", "SuScaledRoPE"):
+            cls = getattr(rope_utils, name, None)
+            if cls is not None:
+                known[cls] = _FusedRoPE
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from mlx_lm.models import gemma4_text
+
+        if hasattr(gemma4_text, "RMSNormNoScale"):
+            known[gemma4_text.RMSNormNoScale] = _FusedRMSNormNoScale
+    except ImportError:  # pragma: no cover
+        pass
+    return known
+
+
+_subclasses: dict = {}  # original class -> fused subclass
+_originals: dict = {}  # fused subclass -> original class
+
+
+def _fused_class(cls, mixin):
+    sub = _subclasses.get(cls)
+    if sub is None:
+        sub = type(f"Fused{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        _subclasses[cls], _originals[sub] = sub, cls
+    return sub
+
+
+def fuse(module) -> int:
+    """Swap every known RMSNorm / RoPE module under ``module`` (itself
+    included) for its fused form; returns how many were swapped."""
+    known = _known()
+    n = 0
+    for _, m in module.named_modules():
+        mixin = known.get(type(m))
+        if mixin is not None:
+            m.__class__ = _fused_class(type(m), mixin)
+            n += 1
+    return n
+
+
+def unfuse(module) -> int:
+    """Restore mlx-lm's classes under ``module``; returns how many were restored."""
+    n = 0
+    for _, m in module.named_modules():
+        cls = _originals.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+            m.__dict__.pop("_mtpflow_fused", None)
+            n += 1
+    return n
+
+
+def is_fused(module) -> bool:
+    return any(type(m) in _originals for _, m in module.named_modules())
+
+
+@contextmanager
+def stock(*modules):
+    """Within this block the ``modules`` run their original (unfused) code
+    (the bench's mlx-lm baseline); fused ones are fused again after it."""
+    was = [m for m in modules if m is not None and is_fused(m)]
+    for m in was:
+        unfuse(m)
+    try:
+        yield
+    finally:
+        for m in was:
+            fuse(m)
+
+
+def wanted(mode: str) -> bool:
+    """``[generation] fuse_fallbacks``: "auto" = on a CPU device."""
+    if mode == "auto":
+        return mx.default_device() == mx.cpu
+    return mode == "on"

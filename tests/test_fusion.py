@@ -1,0 +1,210 @@
+"""mtpflow.fusion: fused RMSNorm / RoPE give mlx-lm's values bit for bit, with fewer graph nodes."""
+
+import io
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import gemma4_text
+from mlx_lm.models.rope_utils import initialize_rope
+
+from conftest import FIXTURES, prompt
+from mtpflow import fusion
+
+
+def bits(a):
+    return np.array(a.astype(mx.float32) if a.dtype != mx.float32 else a).view(np.uint32)
+
+
+def nodes(*outs) -> int:
+    f = io.StringIO()
+    mx.export_to_dot(f, *outs)
+    return len(re.findall(r'label\s*=\s*"[A-Za-z]+', f.getvalue()))
+
+
+def fused_and_stock(module, *args, **kwargs):
+    """``(stock output, fused output)`` of one module called on the same inputs."""
+    assert fusion.unfuse(module) == 0
+    want = module(*args, **kwargs)
+    assert fusion.fuse(module) == 1
+    try:
+        got = module(*args, **kwargs)
+    finally:
+        assert fusion.unfuse(module) == 1
+    mx.eval(want, got)
+    return want, got
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 128), (3, 7, 64), (2, 4, 5, 32)])
+def test_rms_norm_bits(dtype, shape):
+    mx.random.seed(1)
+    norm = nn.RMSNorm(shape[-1], eps=1e-6)
+    norm.weight = (mx.random.normal((shape[-1],)) * 0.5 + 1).astype(dtype)
+    x = (mx.random.normal(shape) * 3).astype(dtype)
+    want, got = fused_and_stock(norm, x)
+    assert got.dtype == want.dtype
+    assert (bits(got) == bits(want)).all()
+
+
+def test_rms_norm_no_scale_bits():
+    norm = gemma4_text.RMSNormNoScale(64, eps=1e-6)
+    x = mx.random.normal((2, 3, 4, 64), key=mx.random.key(2)) * 5
+    want, got = fused_and_stock(norm, x)
+    assert (bits(got) == bits(want)).all()
+
+
+def test_rms_norm_follows_new_weights_and_mixed_dtypes():
+    """The fused norm reads the module's weight at each call (no stale constant),
+    and a call with another dtype than the weight's runs mlx-lm's code."""
+    norm = nn.RMSNorm(16)
+    fusion.fuse(norm)
+    x = mx.random.normal((1, 2, 16), key=mx.random.key(3))
+    a = norm(x)
+    norm.update({"weight": mx.full((16,), 2.0)})
+    b = norm(x)
+    assert mx.allclose(b, 2 * a).item()
+    h = norm(x.astype(mx.float16))  # weight float32: result_type float32, as mlx-lm's
+    assert h.dtype == mx.float32
+    assert mx.allclose(h, mx.fast.rms_norm(x.astype(mx.float16), norm.weight, norm.eps)).item()
+
+
+ROPES = {
+    "default": (64, 10000.0, None),
+    "partial": (32, 10000.0, None),
+    "llama3": (64, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "yarn": (64, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}),
+    "proportional": (64, 1000000.0, {"rope_type": "proportional", "partial_rotary_factor": 0.25}),
+    "longrope": (64, 10000.0, {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                               "short_factor": [1.0] * 32, "long_factor": [1.5] * 32}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_rope_bits(kind):
+    dims, base, scaling = ROPES[kind]
+    rope = initialize_rope(dims, base, False, scaling, 131072)
+    x = mx.random.normal((2, 4, 3, 64), key=mx.random.key(4))
+    offset = mx.array([5, 9000], dtype=mx.int32)  # one offset per row (mtpflow's caches)
+    want, got = fused_and_stock(rope, x, offset=offset)
+    assert (bits(got) == bits(want)).all()
+    # an int offset (mlx-lm's own caches) takes the original code and agrees too
+    want, got = fused_and_stock(rope, x, 17)
+    assert (bits(got) == bits(want)).all()
+
+
+def test_fewer_nodes():
+    """The point of fusing: a norm and a RoPE submit far fewer graph nodes."""
+    norm = nn.RMSNorm(128)
+    rope = nn.RoPE(64)
+    x = mx.random.normal((1, 1, 128), key=mx.random.key(5))
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(6))
+    mx.eval(x, q, norm.parameters())
+    off = mx.array([11], dtype=mx.int32)
+    stock = nodes(norm(x)), nodes(rope(q, offset=off))
+    fusion.fuse(norm)
+    fusion.fuse(rope)
+    fused = nodes(norm(x)), nodes(rope(q, offset=off))
+    assert fused[0] <= stock[0] // 2, (stock, fused)
+    assert fused[1] <= stock[1] // 2, (stock, fused)
+
+
+def test_fuse_keeps_parameters_and_classes():
+    from mtpflow.targets.gemma4 import Gemma4Target
+
+    t = Gemma4Target.from_path(FIXTURES / "pair_e" / "target")
+    before = {k: v for k, v in tree_flatten(t.model.parameters())}
+    n = fusion.fuse(t.model)
+    assert n > 0 and fusion.is_fused(t.model)
+    assert fusion.fuse(t.model) == 0  # already fused
+    after = {k: v for k, v in tree_flatten(t.model.parameters())}
+    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
+    assert isinstance(t.model.model.norm, nn.RMSNorm)
+    with fusion.stock(t.model):
+        assert not fusion.is_fused(t.model)
+        assert type(t.model.model.norm) is nn.RMSNorm
+    assert fusion.is_fused(t.model)
+    assert fusion.unfuse(t.model) == n and not fusion.is_fused(t.model)
+
+
+def test_fused_target_forward_bits():
+    """A ragged prefill and decode steps of the fixture target: the same bits fused and not."""
+    from mtpflow.targets.gemma4 import Gemma4Target
+
+    t = Gemma4Target.from_path(FIXTURES / "pair_e" / "target")
+    seqs = [prompt("e", "long"), prompt("e", "short")]
+
+    def run():
+        cache, h = t.prefill(seqs)
+        outs = [h]
+        for i in range(20):  # past the sliding window (16)
+            hidden = t.forward(mx.array([[5 + i], [7 + i]]), cache)
+            outs.append(t.logits(hidden))
+        mx.eval(outs)
+        return [bits(o) for o in outs]
+
+    want = run()
+    fusion.fuse(t.model)
+    got = run()
+    assert all((a == b).all() for a, b in zip(want, got))
+
+
+def test_session_fuses_by_config():
+    """``[generation] fuse_fallbacks``: "auto" fuses on a CPU device, "off" leaves mlx-lm's modules."""
+    from mtpflow.config import load_config
+    from mtpflow.engine import fusable_modules, load_session
+
+    from conftest import quiet_log
+
+    def session(mode):
+        cfg = load_config(overrides={"model": {"model": str(FIXTURES / "pair_e" / "target"),
+                                               "draft_model": str(FIXTURES / "pair_e" / "drafter")},
+                                     "generation": {"fuse_fallbacks": mode}})
+        return load_session(cfg, log=quiet_log())
+
+    on = session("on")
+    mods = fusable_modules(on.target, on.drafter)
+    assert len(mods) == 2 and all(fusion.is_fused(m) for m in mods)  # the target and the assistant
+    off = session("off")
+    assert not any(fusion.is_fused(m) for m in fusable_modules(off.target, off.drafter))
+    assert fusion.wanted("auto") == (mx.default_device() == mx.cpu)
+
+
+def test_bench_baseline_runs_stock_modules():
+    """The bench's mlx_lm rows run mlx-lm as it ships, even on mtpflow's fused model."""
+    from mtpflow.bench import MLXLMVariant
+
+    norm = nn.RMSNorm(8)
+    fusion.fuse(norm)
+    seen = []
+
+    class Probe(MLXLMVariant):
+        def _run(self, prompts, max_tokens, collector):
+            seen.append(fusion.is_fused(self.model))
+            return {}
+
+    Probe("mlx_lm b1", 1, 1, "target_only", norm).run([], 1, None)
+    assert seen == [False] and fusion.is_fused(norm)
+
+
+def test_decoding_matches_unfused():
+    """Greedy decoding through the engine, fused and not: the same tokens."""
+    from mtpflow.config import load_config
+    from mtpflow.engine import generate, load_session
+
+    from conftest import quiet_log
+
+    out = {}
+    for mode in ("on", "off"):
+        cfg = load_config(overrides={"model": {"model": str(FIXTURES / "pair_e" / "target"),
+                                               "draft_model": str(FIXTURES / "pair_e" / "drafter")},
+                                     "generation": {"fuse_fallbacks": mode}})
+        s = load_session(cfg, log=quiet_log())
+        out[mode] = [generate(s, prompt("e", name), max_tokens=24).tokens for name in ("short", "long")]
+    assert out["on"] == out["off"]
+    assert [len(t) for t in out["on"]] == [24, 24]
