@@ -93,8 +93,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="sampling seed (mtpflow rows and mlx-lm's generator; default: unseeded)")
     p.add_argument("--submit-layers", choices=("auto", "on", "off"), default="auto",
                    help="mtpflow's verify (and a draft model) starts each layer as it is built ([generation] submit_layers; auto: on a CPU device)")
-    p.add_argument("--fuse-fallbacks", choices=("auto", "on", "off"), default="auto",
-                   help="mtpflow runs RMSNorm and RoPE as fused kernels where MLX has none ([generation] fuse_fallbacks; "
+    p.add_argument("--fuse-ops", choices=("auto", "on", "off"), default="auto",
+                   help="mtpflow builds RMSNorm, RoPE and linear layers with fewer graph nodes ([generation] fuse_ops; "
                         "auto: on a CPU device); the mlx_lm rows always run mlx-lm's own modules")
     p.add_argument("--sync-timing", action="store_true",
                    help="synchronise after drafting so draft/verify times split exactly (one extra sync per round)")
@@ -571,7 +571,7 @@ def _config(args):
         "draft": {"block_size": max(args.block_sizes), "policy": args.policy},
         "batch": {"max_batch_size": max(args.batch_sizes)},
         "generation": {"max_tokens": args.max_tokens, "submit_layers": args.submit_layers,
-                       "fuse_fallbacks": args.fuse_fallbacks},
+                       "fuse_ops": args.fuse_ops},
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p, "seed": args.seed},
     })
@@ -834,7 +834,7 @@ def run_bench(args) -> int:
             "sync_timing": args.sync_timing,
             "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
             "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
-            "fuse_fallbacks": {"setting": cfg.generation.fuse_fallbacks,
+            "fuse_ops": {"setting": cfg.generation.fuse_ops,
                                "on": fusion.is_fused(session.target.model), "mlx_lm": "mlx-lm's own modules"},
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
             "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",

@@ -142,10 +142,10 @@ class GenerationConfig:
     #: soon as its graph is built, so building overlaps compute: "auto" = on a CPU device, where
     #: ``mx.async_eval`` cannot run ahead of the host; "on"; "off"
     submit_layers: Literal["auto", "on", "off"] = "auto"
-    #: run the target's and the drafter's RMSNorm and RoPE modules as fused kernels where MLX
-    #: has none and runs them as graphs of primitives (:mod:`mtpflow.fusion`; same values):
-    #: "auto" = on a CPU device; "on"; "off" (mlx-lm's own modules)
-    fuse_fallbacks: Literal["auto", "on", "off"] = "auto"
+    #: build the target's and the drafter's RMSNorm, RoPE and linear layers with fewer graph nodes
+    #: (:mod:`mtpflow.fusion`; the same values): "auto" = on a CPU device, where MLX runs RMSNorm
+    #: and RoPE as graphs of primitives; "on"; "off" (mlx-lm's own modules)
+    fuse_ops: Literal["auto", "on", "off"] = "auto"
 
 
 @frozen(kw_only=True)

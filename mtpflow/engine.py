@@ -383,7 +383,7 @@ def load_session(
 
     from . import fusion
 
-    if fusion.wanted(config.generation.fuse_fallbacks):
+    if fusion.wanted(config.generation.fuse_ops):
         for m in fusable_modules(target, drafter):
             fusion.fuse(m)
 

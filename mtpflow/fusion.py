@@ -1,23 +1,27 @@
-"""Fused forms of the ops MLX's CPU backend runs as graphs of primitives.
+"""Fewer graph nodes for a model's small ops, where MLX runs them as graphs of primitives.
 
 On a CPU stream MLX has no kernel for ``mx.fast.rms_norm`` or ``mx.fast.rope``:
 each call expands into its fallback, ~11 and ~28 graph nodes, and the thread
 that submits a graph pays a few microseconds per node (docs/benchmarks.md (s),
 (t)).  On a small model that submission, not the arithmetic, bounds a token.
-``mx.compile`` fuses each fallback's elementwise runs into single nodes, with
-the same values bit for bit (the fused code performs the same float32
-operations in the same order; ``tests/test_fusion.py`` compares them).
 
-:func:`fuse` swaps, in place, the class of every RMSNorm and RoPE module it
-knows under a module for a subclass that runs the fused form (parameters,
-``isinstance`` and saving are unchanged); :func:`unfuse` and :func:`stock`
-restore mlx-lm's own classes.  A call the fused form does not cover (mixed
-dtypes, an ``int`` RoPE offset, extra arguments, a large input such as a
-prefill chunk) runs the original code.
+* RMSNorm and RoPE run their fallbacks through ``mx.compile``, which fuses
+  each one's elementwise runs into single nodes.  The fused code performs the
+  same float32 operations in the same order, so the values are the same bit
+  for bit (``tests/test_fusion.py`` compares them).
+* ``nn.Linear`` and a tied ``nn.Embedding`` head keep their weight's
+  transpose (a view of the same buffer) between calls instead of adding a
+  ``Transpose`` node to every product.
 
-Only worth it where MLX has no kernel of its own: ``[generation]
-fuse_fallbacks = "auto"`` fuses on a CPU device only (Metal and CUDA run both
-ops as one kernel already).
+:func:`fuse` swaps, in place, the class of every module it knows under a
+module for a subclass with the leaner call (parameters, ``isinstance`` and
+saving are unchanged); :func:`unfuse` and :func:`stock` restore mlx-lm's own
+classes.  A call the fused form does not cover (mixed dtypes, an ``int`` RoPE
+offset, extra arguments, a large RoPE input such as a prefill chunk) runs the
+original code.
+
+``[generation] fuse_ops = "auto"`` fuses on a CPU device only: Metal and CUDA
+have kernels for both ops, and their ``async_eval`` runs ahead of the host.
 """
 
 from __future__ import annotations
@@ -34,26 +38,29 @@ import mlx.nn as nn
 ROPE_FUSE_MAX_ELEMENTS = 1 << 17
 
 
+# MLX's fallback: in float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight.  The mean
+# is a sum times 1 / n; a shapeless trace would compute 1 / n in a node of its own on every
+# call, so the caller passes it (the same float32 constant mlx's mean multiplies by).
 @partial(mx.compile, shapeless=True)
-def _rms_norm(x, weight, eps):
-    # MLX's fallback: float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight
+def _rms_norm(x, weight, eps, inv_n):
     x32 = x.astype(mx.float32)
-    return (x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)).astype(x.dtype) * weight
+    return (x32 * mx.rsqrt(mx.square(x32).sum(-1, keepdims=True) * inv_n + eps)).astype(x.dtype) * weight
 
 
 @partial(mx.compile, shapeless=True)
-def _rms_norm_no_scale(x, eps):
+def _rms_norm_no_scale(x, eps, inv_n):
     x32 = x.astype(mx.float32)
-    return (x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)).astype(x.dtype)
+    return (x32 * mx.rsqrt(mx.square(x32).sum(-1, keepdims=True) * inv_n + eps)).astype(x.dtype)
 
 
-_eps_arrays: dict = {}
+_constants: dict = {}
 
 
-def _eps(eps: float) -> mx.array:
-    a = _eps_arrays.get(eps)
+def _const(value: float) -> mx.array:
+    """One float32 array per constant (``eps``, ``1 / n``), shared by every call."""
+    a = _constants.get(value)
     if a is None:
-        a = _eps_arrays[eps] = mx.array(eps, dtype=mx.float32)
+        a = _constants[value] = mx.array(value, dtype=mx.float32)
     return a
 
 
@@ -64,14 +71,14 @@ class _FusedRMSNorm:
         w = self.weight
         if x.dtype != w.dtype:
             return super().__call__(x)
-        return _rms_norm(x, w, _eps(self.eps))
+        return _rms_norm(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
 
 
 class _FusedRMSNormNoScale:
     """Mixed into a norm whose call is ``mx.fast.rms_norm(x, None, eps)``."""
 
     def __call__(self, x):
-        return _rms_norm_no_scale(x, _eps(self.eps))
+        return _rms_norm_no_scale(x, _const(self.eps), _const(1.0 / x.shape[-1]))
 
 
 class _FusedRoPE:
@@ -89,9 +96,34 @@ class _FusedRoPE:
         return fn(x, offset)
 
 
+class _LeanLinear:
+    """Mixed into ``nn.Linear`` / ``nn.Embedding``: the same product with the
+    weight's transpose kept between calls (a view of the same buffer, computed
+    once), so a call adds no ``Transpose`` node.  A new weight (loaded,
+    trained, or a tracer inside a transform) gets its own transpose."""
+
+    def _wt(self):
+        w = self["weight"]
+        c = self.__dict__.get("_mtpflow_wt")
+        if c is None or c[0] is not w:
+            c = (w, w.T)
+            object.__setattr__(self, "_mtpflow_wt", c)
+        return c[1]
+
+    def __call__(self, x):
+        if type(self).__mro__[2] is not nn.Linear:
+            return super().__call__(x)
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, self._wt())
+        return x @ self._wt()
+
+    def as_linear(self, x):
+        return x @ self._wt()
+
+
 def _known() -> dict:
     """``{original class: mixin}`` of the modules :func:`fuse` swaps."""
-    known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE}
+    known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE, nn.Linear: _LeanLinear, nn.Embedding: _LeanLinear}
     try:
         from mlx_lm.models import rope_utils
 
@@ -144,6 +176,7 @@ def unfuse(module) -> int:
         if cls is not None:
             m.__class__ = cls
             m.__dict__.pop("_mtpflow_fused", None)
+            m.__dict__.pop("_mtpflow_wt", None)
             n += 1
     return n
 
@@ -167,7 +200,7 @@ def stock(*modules):
 
 
 def wanted(mode: str) -> bool:
-    """``[generation] fuse_fallbacks``: "auto" = on a CPU device."""
+    """``[generation] fuse_ops``: "auto" = on a CPU device."""
     if mode == "auto":
         return mx.default_device() == mx.cpu
     return mode == "on"

@@ -1,4 +1,4 @@
-"""mtpflow.fusion: fused RMSNorm / RoPE give mlx-lm's values bit for bit, with fewer graph nodes."""
+"""mtpflow.fusion: fused RMSNorm / RoPE and lean linear layers give mlx-lm's values bit for bit, with fewer graph nodes."""
 
 import io
 import re
@@ -72,6 +72,28 @@ def test_rms_norm_follows_new_weights_and_mixed_dtypes():
     assert mx.allclose(h, mx.fast.rms_norm(x.astype(mx.float16), norm.weight, norm.eps)).item()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bits_and_new_weights(bias):
+    lin = nn.Linear(64, 48, bias=bias)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(7))
+    want, got = fused_and_stock(lin, x)
+    assert (bits(got) == bits(want)).all()
+    fusion.fuse(lin)
+    lin(x)
+    lin.update({"weight": lin.weight * 2})  # a new weight gets its own transpose
+    assert mx.allclose(lin(x), (x @ lin.weight.T) + (lin.bias if bias else 0)).item()
+
+
+def test_tied_embedding_head_bits():
+    emb = nn.Embedding(300, 32)
+    h = mx.random.normal((1, 2, 32), key=mx.random.key(8))
+    assert fusion.fuse(emb) == 1
+    got, ids = emb.as_linear(h), emb(mx.array([[3, 299]]))
+    fusion.unfuse(emb)
+    want, ids0 = emb.as_linear(h), emb(mx.array([[3, 299]]))
+    assert (bits(got) == bits(want)).all() and (bits(ids) == bits(ids0)).all()
+
+
 ROPES = {
     "default": (64, 10000.0, None),
     "partial": (32, 10000.0, None),
@@ -102,16 +124,19 @@ def test_fewer_nodes():
     """The point of fusing: a norm and a RoPE submit far fewer graph nodes."""
     norm = nn.RMSNorm(128)
     rope = nn.RoPE(64)
+    lin = nn.Linear(128, 128, bias=False)
     x = mx.random.normal((1, 1, 128), key=mx.random.key(5))
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(6))
-    mx.eval(x, q, norm.parameters())
+    mx.eval(x, q, norm.parameters(), lin.parameters())
     off = mx.array([11], dtype=mx.int32)
-    stock = nodes(norm(x)), nodes(rope(q, offset=off))
-    fusion.fuse(norm)
-    fusion.fuse(rope)
-    fused = nodes(norm(x)), nodes(rope(q, offset=off))
-    assert fused[0] <= stock[0] // 2, (stock, fused)
+    stock = nodes(norm(x)), nodes(rope(q, offset=off)), nodes(lin(x))
+    for m in (norm, rope, lin):
+        fusion.fuse(m)
+    mx.eval(lin(x))  # the first call computes the kept transpose
+    fused = nodes(norm(x)), nodes(rope(q, offset=off)), nodes(lin(x))
+    assert fused[0] <= stock[0] // 3, (stock, fused)
     assert fused[1] <= stock[1] // 2, (stock, fused)
+    assert fused[2] == stock[2] - 1, (stock, fused)
 
 
 def test_fuse_keeps_parameters_and_classes():
@@ -155,7 +180,7 @@ def test_fused_target_forward_bits():
 
 
 def test_session_fuses_by_config():
-    """``[generation] fuse_fallbacks``: "auto" fuses on a CPU device, "off" leaves mlx-lm's modules."""
+    """``[generation] fuse_ops``: "auto" fuses on a CPU device, "off" leaves mlx-lm's modules."""
     from mtpflow.config import load_config
     from mtpflow.engine import fusable_modules, load_session
 
@@ -164,7 +189,7 @@ def test_session_fuses_by_config():
     def session(mode):
         cfg = load_config(overrides={"model": {"model": str(FIXTURES / "pair_e" / "target"),
                                                "draft_model": str(FIXTURES / "pair_e" / "drafter")},
-                                     "generation": {"fuse_fallbacks": mode}})
+                                     "generation": {"fuse_ops": mode}})
         return load_session(cfg, log=quiet_log())
 
     on = session("on")
@@ -203,7 +228,7 @@ def test_decoding_matches_unfused():
     for mode in ("on", "off"):
         cfg = load_config(overrides={"model": {"model": str(FIXTURES / "pair_e" / "target"),
                                                "draft_model": str(FIXTURES / "pair_e" / "drafter")},
-                                     "generation": {"fuse_fallbacks": mode}})
+                                     "generation": {"fuse_ops": mode}})
         s = load_session(cfg, log=quiet_log())
         out[mode] = [generate(s, prompt("e", name), max_tokens=24).tokens for name in ("short", "long")]
     assert out["on"] == out["off"]
