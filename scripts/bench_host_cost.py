@@ -1,5 +1,6 @@
 """Where the host thread's CPU time goes per token: mlx-lm against mtpflow's null path
-(``submit_layers`` off, so each graph is submitted by one call), interleaved in shuffled order.
+(``submit_layers`` off, so each graph is submitted by one call; ``fuse_ops`` off, so both run
+mlx-lm's own modules and the same graph), interleaved in shuffled order.
 
     python scripts/bench_host_cost.py [REPEATS] [TARGET]
 
@@ -40,7 +41,7 @@ def timed(name, fn):
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE, "--submit-layers", "off")
+    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE, "--submit-layers", "off", "--fuse-ops", "off")
     session = mtp.session
     assert not session.submit_layers
     # every caller looks these up on the module at call time (mlx-lm's generate_step as well)

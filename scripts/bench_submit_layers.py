@@ -2,10 +2,12 @@
 interleaved in one process in shuffled order (one shared model), so a noisy host
 drifts the same way for all three.
 
-    python scripts/bench_submit_layers.py [REPEATS] [TARGET]
+    python scripts/bench_submit_layers.py [REPEATS] [TARGET] [BENCH FLAGS...]
 
 Prints each engine's median tokens/s, the ratio of medians to mlx-lm and the
-paired median ratio (docs/benchmarks.md (r)).
+paired median ratio (docs/benchmarks.md (r)).  mlx-lm runs its own modules; mtpflow
+runs with the bench's defaults (fused modules on a CPU device: ``--fuse-ops off``
+after TARGET compares the two loops on the same modules, as in (r) and (s)).
 """
 
 import argparse
@@ -43,7 +45,7 @@ def batch_one_engines(target: str, *flags: str):
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE)
+    args, prompts, mlx, mtp = batch_one_engines(sys.argv[2] if len(sys.argv) > 2 else FIXTURE, *sys.argv[3:])
 
     def null_path(mode):  # the null variant's session with [generation] submit_layers = mode
         cfg = mtp.session.config
