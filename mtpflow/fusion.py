@@ -5,7 +5,8 @@ each call expands into its fallback, ~11 and ~28 graph nodes, and the thread
 that submits a graph pays a few microseconds per node (docs/benchmarks.md (s),
 (t)).  On a small model that submission, not the arithmetic, bounds a token.
 
-* RMSNorm and RoPE run their fallbacks through ``mx.compile``, which fuses
+* RMSNorm (``nn.RMSNorm``, Gemma's ``1 + weight`` norms, Gemma 4's unscaled
+  one) and RoPE run their fallbacks through ``mx.compile``, which fuses
   each one's elementwise runs into single nodes.  The fused code performs the
   same float32 operations in the same order, so the values are the same bit
   for bit (``tests/test_fusion.py`` compares them).
@@ -48,6 +49,13 @@ def _rms_norm(x, weight, eps, inv_n):
 
 
 @partial(mx.compile, shapeless=True)
+def _rms_norm_offset(x, weight, eps, inv_n):
+    # Gemma's norms scale by 1 + weight
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.square(x32).sum(-1, keepdims=True) * inv_n + eps)).astype(x.dtype) * (1.0 + weight)
+
+
+@partial(mx.compile, shapeless=True)
 def _rms_norm_no_scale(x, eps, inv_n):
     x32 = x.astype(mx.float32)
     return (x32 * mx.rsqrt(mx.square(x32).sum(-1, keepdims=True) * inv_n + eps)).astype(x.dtype)
@@ -72,6 +80,16 @@ class _FusedRMSNorm:
         if x.dtype != w.dtype:
             return super().__call__(x)
         return _rms_norm(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
+
+
+class _FusedOffsetRMSNorm:
+    """Mixed into Gemma's norms: ``mx.fast.rms_norm(x, 1.0 + weight, eps)``, fused."""
+
+    def __call__(self, x):
+        w = self.weight
+        if x.dtype != w.dtype:
+            return super().__call__(x)
+        return _rms_norm_offset(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
 
 
 class _FusedRMSNormNoScale:
@@ -133,6 +151,13 @@ def _known() -> dict:
                 known[cls] = _FusedRoPE
     except ImportError:  # pragma: no cover
         pass
+    for name in ("gemma", "gemma2", "gemma3_text"):  # their RMSNorm scales by 1 + weight
+        try:
+            mod = __import__(f"mlx_lm.models.{name}", fromlist=["RMSNorm"])
+        except ImportError:  # pragma: no cover
+            continue
+        if hasattr(mod, "RMSNorm"):
+            known[mod.RMSNorm] = _FusedOffsetRMSNorm
     try:
         from mlx_lm.models import gemma4_text
 

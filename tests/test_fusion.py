@@ -50,6 +50,19 @@ def test_rms_norm_bits(dtype, shape):
     assert (bits(got) == bits(want)).all()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_gemma_offset_rms_norm_bits(dtype):
+    """Gemma 1-3's norms scale by 1 + weight."""
+    from mlx_lm.models import gemma3_text
+
+    norm = gemma3_text.RMSNorm(64, eps=1e-6)
+    norm.weight = (mx.random.normal((64,), key=mx.random.key(9)) * 0.3).astype(dtype)
+    x = (mx.random.normal((2, 5, 64), key=mx.random.key(10)) * 4).astype(dtype)
+    want, got = fused_and_stock(norm, x)
+    assert got.dtype == want.dtype
+    assert (bits(got) == bits(want)).all()
+
+
 def test_rms_norm_no_scale_bits():
     norm = gemma4_text.RMSNormNoScale(64, eps=1e-6)
     x = mx.random.normal((2, 3, 4, 64), key=mx.random.key(2)) * 5
