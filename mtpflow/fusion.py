@@ -33,9 +33,11 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-#: a RoPE input up to this many elements runs fused (decode steps, verifies,
-#: trees); larger ones (prefill chunks) run the original code, so the traces a
-#: RoPE module keeps (one per input shape) stay few
+#: a RoPE input of up to this many positions (its axis -2) and elements runs
+#: fused (decode steps, verifies, trees); longer ones (prefill chunks, whose
+#: cost is arithmetic) run the original code, so the traces a RoPE module keeps
+#: (one per input shape) stay few
+ROPE_FUSE_MAX_POSITIONS = 32
 ROPE_FUSE_MAX_ELEMENTS = 1 << 17
 
 
@@ -104,7 +106,8 @@ class _FusedRoPE:
     the module's own constants: that call, compiled once per input shape."""
 
     def __call__(self, x, offset=0, *args, **kwargs):
-        if args or kwargs or not isinstance(offset, mx.array) or x.size > ROPE_FUSE_MAX_ELEMENTS:
+        if (args or kwargs or not isinstance(offset, mx.array) or x.ndim < 2
+                or x.shape[-2] > ROPE_FUSE_MAX_POSITIONS or x.size > ROPE_FUSE_MAX_ELEMENTS):
             return super().__call__(x, offset, *args, **kwargs)
         fn = self.__dict__.get("_mtpflow_fused")
         if fn is None:

@@ -133,6 +133,21 @@ def test_rope_bits(kind):
     assert (bits(got) == bits(want)).all()
 
 
+def test_rope_long_inputs_run_the_original_code():
+    """A prefill-sized RoPE input (more than 32 positions) is not traced: no
+    compiled function is kept for it, and the values agree."""
+    rope = nn.RoPE(64)
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(11))
+    off = mx.array([3], dtype=mx.int32)
+    want, got = fused_and_stock(rope, x, offset=off)
+    assert (bits(got) == bits(want)).all()
+    fusion.fuse(rope)
+    rope(x, offset=off)
+    assert "_mtpflow_fused" not in rope.__dict__
+    rope(x[:, :, :4], offset=off)
+    assert "_mtpflow_fused" in rope.__dict__
+
+
 def test_fewer_nodes():
     """The point of fusing: a norm and a RoPE submit far fewer graph nodes."""
     norm = nn.RMSNorm(128)
