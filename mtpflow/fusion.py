@@ -77,21 +77,19 @@ def _const(value: float) -> mx.array:
 class _FusedRMSNorm:
     """Mixed into ``nn.RMSNorm``: ``mx.fast.rms_norm(x, weight, eps)``, fused."""
 
+    _fused = staticmethod(_rms_norm)
+
     def __call__(self, x):
         w = self.weight
         if x.dtype != w.dtype:
             return super().__call__(x)
-        return _rms_norm(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
+        return self._fused(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
 
 
-class _FusedOffsetRMSNorm:
+class _FusedOffsetRMSNorm(_FusedRMSNorm):
     """Mixed into Gemma's norms: ``mx.fast.rms_norm(x, 1.0 + weight, eps)``, fused."""
 
-    def __call__(self, x):
-        w = self.weight
-        if x.dtype != w.dtype:
-            return super().__call__(x)
-        return _rms_norm_offset(x, w, _const(self.eps), _const(1.0 / x.shape[-1]))
+    _fused = staticmethod(_rms_norm_offset)
 
 
 class _FusedRMSNormNoScale:
