@@ -716,6 +716,7 @@ def run_bench(args) -> int:
 
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
     from . import fusion
+
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise BenchError("--repeats and --max-tokens must be >= 1, --warmup >= 0")
     if not args.no_plots:
@@ -834,8 +835,8 @@ def run_bench(args) -> int:
             "sync_timing": args.sync_timing,
             "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
             "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
-            "fuse_ops": {"setting": cfg.generation.fuse_ops,
-                               "on": fusion.is_fused(session.target.model), "mlx_lm": "mlx-lm's own modules"},
+            "fuse_ops": {"setting": cfg.generation.fuse_ops, "on": fusion.is_fused(session.target.model),
+                         "mlx_lm": "mlx-lm's own modules"},
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
             "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
             "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",

@@ -101,12 +101,7 @@ class Session:
     def submit_layers(self) -> bool:
         """Whether a verify (and a draft model's forwards) starts each layer as
         it is built (``[generation] submit_layers``; "auto": on a CPU device)."""
-        mode = self.config.generation.submit_layers
-        if mode == "auto":
-            import mlx.core as mx
-
-            return mx.default_device() == mx.cpu
-        return mode == "on"
+        return on_for_device(self.config.generation.submit_layers)
 
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
@@ -281,6 +276,16 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy, max_block_size=ceiling))
 
 
+def on_for_device(mode: str) -> bool:
+    """An ``"auto"`` / ``"on"`` / ``"off"`` setting (``submit_layers``, ``fuse_ops``):
+    "auto" is on for a CPU device."""
+    if mode == "auto":
+        import mlx.core as mx
+
+        return mx.default_device() == mx.cpu
+    return mode == "on"
+
+
 def fusable_modules(target, drafter=None) -> list:
     """The ``nn.Module`` trees :mod:`mtpflow.fusion` may fuse: the target's
     model and the drafter's (its ``model``: a module, or a draft model's
@@ -383,7 +388,7 @@ def load_session(
 
     from . import fusion
 
-    if fusion.wanted(config.generation.fuse_ops):
+    if on_for_device(config.generation.fuse_ops):
         for m in fusable_modules(target, drafter):
             fusion.fuse(m)
 

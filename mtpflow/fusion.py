@@ -115,11 +115,11 @@ class _FusedRoPE:
         return fn(x, offset)
 
 
-class _LeanLinear:
-    """Mixed into ``nn.Linear`` / ``nn.Embedding``: the same product with the
-    weight's transpose kept between calls (a view of the same buffer, computed
-    once), so a call adds no ``Transpose`` node.  A new weight (loaded,
-    trained, or a tracer inside a transform) gets its own transpose."""
+class _KeptTranspose:
+    """The weight's transpose kept between calls (a view of the same buffer,
+    computed once), so a product adds no ``Transpose`` node.  A new weight
+    (loaded, trained, or a tracer inside a transform) gets its own transpose;
+    a weight changed in place keeps the old one (unfuse first)."""
 
     def _wt(self):
         w = self["weight"]
@@ -129,12 +129,18 @@ class _LeanLinear:
             object.__setattr__(self, "_mtpflow_wt", c)
         return c[1]
 
+
+class _LeanLinear(_KeptTranspose):
+    """Mixed into ``nn.Linear``: its product on the kept transpose."""
+
     def __call__(self, x):
-        if type(self).__mro__[2] is not nn.Linear:
-            return super().__call__(x)
         if "bias" in self:
             return mx.addmm(self["bias"], x, self._wt())
         return x @ self._wt()
+
+
+class _LeanEmbedding(_KeptTranspose):
+    """Mixed into ``nn.Embedding``: a tied head's ``as_linear`` on the kept transpose."""
 
     def as_linear(self, x):
         return x @ self._wt()
@@ -142,7 +148,7 @@ class _LeanLinear:
 
 def _known() -> dict:
     """``{original class: mixin}`` of the modules :func:`fuse` swaps."""
-    known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE, nn.Linear: _LeanLinear, nn.Embedding: _LeanLinear}
+    known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE, nn.Linear: _LeanLinear, nn.Embedding: _LeanEmbedding}
     try:
         from mlx_lm.models import rope_utils
 
@@ -182,8 +188,8 @@ def _fused_class(cls, mixin):
 
 
 def fuse(module) -> int:
-    """Swap every known RMSNorm / RoPE module under ``module`` (itself
-    included) for its fused form; returns how many were swapped."""
+    """Swap every known RMSNorm, RoPE, linear and embedding module under
+    ``module`` (itself included) for its leaner form; returns how many were swapped."""
     known = _known()
     n = 0
     for _, m in module.named_modules():
@@ -194,15 +200,18 @@ def fuse(module) -> int:
     return n
 
 
-def unfuse(module) -> int:
-    """Restore mlx-lm's classes under ``module``; returns how many were restored."""
+def unfuse(module, keep_caches: bool = False) -> int:
+    """Restore mlx-lm's classes under ``module``; returns how many were
+    restored.  ``keep_caches``: leave the compiled RoPE calls and the kept
+    transposes on the modules, for a :func:`fuse` that follows (see :func:`stock`)."""
     n = 0
     for _, m in module.named_modules():
         cls = _originals.get(type(m))
         if cls is not None:
             m.__class__ = cls
-            m.__dict__.pop("_mtpflow_fused", None)
-            m.__dict__.pop("_mtpflow_wt", None)
+            if not keep_caches:
+                m.__dict__.pop("_mtpflow_fused", None)
+                m.__dict__.pop("_mtpflow_wt", None)
             n += 1
     return n
 
@@ -214,19 +223,16 @@ def is_fused(module) -> bool:
 @contextmanager
 def stock(*modules):
     """Within this block the ``modules`` run their original (unfused) code
-    (the bench's mlx-lm baseline); fused ones are fused again after it."""
+    (the bench's mlx-lm baseline); fused ones are fused again after it, with
+    their compiled calls kept (a timed run after it does not trace again).
+    Not while another thread may be running the modules: a call in flight
+    when its class changes fails."""
     was = [m for m in modules if m is not None and is_fused(m)]
     for m in was:
-        unfuse(m)
+        unfuse(m, keep_caches=True)
     try:
         yield
     finally:
         for m in was:
             fuse(m)
 
-
-def wanted(mode: str) -> bool:
-    """``[generation] fuse_ops``: "auto" = on a CPU device."""
-    if mode == "auto":
-        return mx.default_device() == mx.cpu
-    return mode == "on"

@@ -148,6 +148,25 @@ def test_rope_long_inputs_run_the_original_code():
     assert "_mtpflow_fused" in rope.__dict__
 
 
+def test_stock_keeps_the_compiled_calls():
+    """The bench's baseline rows run inside ``stock()``: the fused rows after
+    them reuse the traced RoPE call and the kept transpose, and ``unfuse``
+    drops both."""
+    rope, lin = nn.RoPE(64), nn.Linear(8, 8)
+    x, off = mx.random.normal((1, 2, 1, 64), key=mx.random.key(12)), mx.array([4], dtype=mx.int32)
+    for m in (rope, lin):
+        fusion.fuse(m)
+    rope(x, offset=off)
+    lin(mx.ones((1, 8)))
+    fn, wt = rope.__dict__["_mtpflow_fused"], lin.__dict__["_mtpflow_wt"]
+    with fusion.stock(rope, lin):
+        assert type(rope) is nn.RoPE and type(lin) is nn.Linear
+    assert rope.__dict__["_mtpflow_fused"] is fn and lin.__dict__["_mtpflow_wt"] is wt
+    fusion.unfuse(rope)
+    fusion.unfuse(lin)
+    assert "_mtpflow_fused" not in rope.__dict__ and "_mtpflow_wt" not in lin.__dict__
+
+
 def test_fewer_nodes():
     """The point of fusing: a norm and a RoPE submit far fewer graph nodes."""
     norm = nn.RMSNorm(128)
@@ -210,7 +229,7 @@ def test_fused_target_forward_bits():
 def test_session_fuses_by_config():
     """``[generation] fuse_ops``: "auto" fuses on a CPU device, "off" leaves mlx-lm's modules."""
     from mtpflow.config import load_config
-    from mtpflow.engine import fusable_modules, load_session
+    from mtpflow.engine import fusable_modules, load_session, on_for_device
 
     from conftest import quiet_log
 
@@ -225,7 +244,7 @@ def test_session_fuses_by_config():
     assert len(mods) == 2 and all(fusion.is_fused(m) for m in mods)  # the target and the assistant
     off = session("off")
     assert not any(fusion.is_fused(m) for m in fusable_modules(off.target, off.drafter))
-    assert fusion.wanted("auto") == (mx.default_device() == mx.cpu)
+    assert on_for_device("auto") == (mx.default_device() == mx.cpu)
 
 
 def test_bench_baseline_runs_stock_modules():
