@@ -103,19 +103,21 @@ class TreeShape:
     1)``: 4 + 8 + 8 = 20 nodes); or, with ``width`` set, a **dynamic** tree
     (EAGLE-2): ``depth`` levels, each keeping the ``width`` candidates with
     the highest cumulative draft probability among ``branching[0]`` children
-    per frontier node.  A chain of ``k`` drafts is ``TreeShape(branching=(1,) * k)``.
+    per frontier node.  ``budget`` (dynamic trees): of all the candidates
+    drafted, verify only the ``budget`` of highest cumulative draft
+    probability (EAGLE-2's re-ranking; SGLang's ``--speculative-num-draft-tokens``
+    less the root), so a deeper, wider search costs no more to verify.  A
+    chain of ``k`` drafts is ``TreeShape(branching=(1,) * k)``.
     """
 
     branching: tuple[int, ...]
     width: int | None = None
     depth: int | None = None
+    budget: int | None = None
 
     @property
-    def levels(self) -> int:
-        return self.depth if self.width is not None else len(self.branching)
-
-    @property
-    def nodes(self) -> int:
+    def candidates(self) -> int:
+        """Nodes drafted (before a ``budget`` keeps the best of them)."""
         if self.width is not None:
             return sum(min(self.width, self.branching[0] ** (d + 1)) for d in range(self.levels))
         n, per = 0, 1
@@ -125,31 +127,43 @@ class TreeShape:
         return n
 
     @property
+    def levels(self) -> int:
+        return self.depth if self.width is not None else len(self.branching)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes verified (drafted tokens in the verify)."""
+        n = self.candidates
+        return n if self.budget is None else min(n, self.budget)
+
+    @property
     def is_chain(self) -> bool:
         return self.width is None and all(b == 1 for b in self.branching)
 
     def describe(self) -> str:
         if self.width is not None:
-            return f"dynamic:{self.branching[0]}x{self.width}x{self.depth}"
+            tail = "" if self.budget is None else f"x{self.budget}"
+            return f"dynamic:{self.branching[0]}x{self.width}x{self.depth}{tail}"
         return "[" + ",".join(str(b) for b in self.branching) + "]"
 
     @classmethod
     def parse(cls, text: str) -> "TreeShape":
-        """``"4,2,1"`` / ``"[4,2,1]"`` (static) or ``"dynamic:TOPK:WIDTH:DEPTH"``."""
+        """``"4,2,1"`` / ``"[4,2,1]"`` (static) or ``"dynamic:TOPK:WIDTH:DEPTH[:NODES]"``."""
         t = str(text).strip()
         try:
             if t.startswith("dynamic:"):
-                k, w, d = (int(x) for x in t.split(":")[1:])
-                if min(k, w, d) < 1:
+                fields = [int(x) for x in t.split(":")[1:]]
+                if len(fields) not in (3, 4) or min(fields) < 1:
                     raise ValueError
-                return cls(branching=(k,), width=w, depth=d)
+                k, w, d = fields[:3]
+                return cls(branching=(k,), width=w, depth=d, budget=fields[3] if len(fields) == 4 else None)
             parts = tuple(int(x) for x in t.strip("[]").split(",") if x.strip())
             if not parts or min(parts) < 1:
                 raise ValueError
             return cls(branching=parts)
         except ValueError:
             raise ValueError(f"tree shape {text!r}: use a list of children per depth like '4,2,1' "
-                             "or 'dynamic:TOPK:WIDTH:DEPTH'") from None
+                             "or 'dynamic:TOPK:WIDTH:DEPTH' (optionally ':NODES', the nodes verified)") from None
 
 
 @frozen(kw_only=True)

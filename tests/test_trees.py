@@ -15,16 +15,76 @@ from mtpflow.engine import Batcher, generate, make_request
 from mtpflow.plugins import make_plugin_manager
 from mtpflow.state import DraftBlock, SamplingParams, TreeShape
 
-SHAPES = ["1,1,1", "2,1", "4,2,1", "3,3,2", "dynamic:4:6:4"]
+SHAPES = ["1,1,1", "2,1", "4,2,1", "3,3,2", "dynamic:4:6:4", "dynamic:4:6:4:7"]
 PROMPTS = [json.loads((FIXTURES / "pair_e" / f"generate_{n}.json").read_text())["prompt_ids"] for n in ("long", "short", "edge")]
 
 
 def test_tree_shapes_parse_and_count():
     assert TreeShape.parse("4,2,1").nodes == 4 + 8 + 8 and TreeShape.parse("[2,1]").levels == 2
     assert TreeShape.parse("1,1,1").is_chain and TreeShape.parse("dynamic:4:6:3").nodes == 4 + 6 + 6
-    for bad in ("", "0,1", "dynamic:4:6", "x"):
+    ranked = TreeShape.parse("dynamic:4:6:3:5")
+    assert (ranked.candidates, ranked.nodes, ranked.levels) == (16, 5, 3) and ranked.describe() == "dynamic:4x6x3x5"
+    assert TreeShape.parse("dynamic:4:6:3:99").nodes == 16
+    for bad in ("", "0,1", "dynamic:4:6", "x", "dynamic:4:6:3:0", "dynamic:4:6:3:5:1"):
         with pytest.raises(ValueError, match="tree shape"):
             TreeShape.parse(bad)
+
+
+def _grown_tree(rng, B, shape):
+    """Random level-by-level candidates as a drafter builds them: per level, tokens,
+    parents (input index), depth and cumulative log-probabilities (a child's
+    = its parent's + a log-probability <= 0, some exactly 0)."""
+    toks, pars, deps, cums = [], [], [], []
+    prev = np.zeros((B, 1), np.float32)
+    start = 0  # input index of the previous level's first node (the root: 0)
+    for d in range(shape.levels):
+        F = prev.shape[1]
+        m = min(shape.width, F * shape.branching[0])
+        parent = rng.integers(0, F, size=(B, m))
+        lp = np.where(rng.random((B, m)) < 0.2, 0.0, -rng.exponential(2.0, size=(B, m))).astype(np.float32)
+        cum = np.take_along_axis(prev, parent, axis=1) + lp
+        toks.append(mx.array(np.stack([rng.permutation(m) for _ in range(B)]) + 1 + 100 * d, dtype=mx.int32))  # distinct
+        pars.append(mx.array(start + parent, dtype=mx.int32))
+        deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
+        cums.append(mx.array(cum))
+        start = start + F if d else 1
+        prev = cum
+    return toks, pars, deps, cums
+
+
+def test_a_budget_keeps_the_most_probable_nodes_as_a_tree():
+    from mtpflow.drafters.base import finish_tree
+
+    rng = np.random.default_rng(0)
+    full_shape, shape = TreeShape.parse("dynamic:4:6:4"), TreeShape.parse("dynamic:4:6:4:9")
+    for _ in range(20):
+        grown = _grown_tree(rng, 3, full_shape)
+        full = finish_tree(*grown, full_shape)
+        kept = finish_tree(*grown, shape)
+        assert full.n_draft == 22 and kept.n_draft == kept.tokens.shape[1] == 9 and kept.max_depth == 4
+        score = np.concatenate([np.array(c) for c in grown[3]], axis=1)
+        ftok, fpar, fdep = (np.array(x) for x in (full.tokens, full.parents, full.depth))
+        ktok, kpar, kdep = (np.array(x) for x in (kept.tokens, kept.parents, kept.depth))
+        for b in range(3):
+            # the kept nodes, mapped back to the full tree by (token, depth, parent chain)
+            def chain(tok, par, i):
+                out = []
+                while i > 0:
+                    out.append(int(tok[i - 1]))
+                    i = int(par[i - 1])
+                return tuple(out)
+            full_paths = {chain(ftok[b], fpar[b], i + 1): i for i in range(22)}
+            idx = [full_paths[chain(ktok[b], kpar[b], i + 1)] for i in range(9)]
+            assert idx == sorted(idx)  # parents before children, as grown
+            assert all(0 <= kpar[b, i] <= i for i in range(9))  # each parent is the root or an earlier kept node
+            assert all(kdep[b, i] == (1 if kpar[b, i] == 0 else kdep[b, kpar[b, i] - 1] + 1) for i in range(9))
+            # the 9 best by score (ties at probability 1 resolved towards the shallower node)
+            key = score[b] - 1e-3 * fdep[b]
+            assert sorted(key[idx]) == sorted(np.sort(key)[::-1][:9])
+    # every draft of probability 1: the shallowest nodes are kept, never a child without its parent
+    toks, pars, deps, cums = _grown_tree(rng, 2, full_shape)
+    kept = finish_tree(toks, pars, deps, [mx.zeros_like(c) for c in cums], shape)
+    assert np.array(kept.depth).tolist() == [[1] * 4 + [2] * 5] * 2
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -105,7 +165,7 @@ def test_cache_after_an_accepted_side_branch_is_the_paths():
     """After tree rounds (a side branch accepted in some of them), the target
     cache holds exactly the K/V a fresh prefill of the accepted sequence gives."""
     log = RoundLog()
-    s = make_session("d", block_size=4, draft={"tree": "dynamic:4:6:3"}, plugins=make_plugin_manager([log], autoload=False))
+    s = make_session("d", block_size=4, draft={"tree": "dynamic:4:6:3:8"}, plugins=make_plugin_manager([log], autoload=False))
     b = Batcher(s)
     b.add([make_request(s, PROMPTS[0], max_tokens=30)])
     for _ in range(4):
@@ -140,7 +200,7 @@ def test_sampling_through_a_tree_is_lossless_and_seed_invariant():
             generate(alone, PROMPTS[1], max_tokens=16, sampling=sp(seed)).tokens
 
 
-@pytest.mark.parametrize("shape", ["2,2,1", "dynamic:3:4:5"])
+@pytest.mark.parametrize("shape", ["2,2,1", "dynamic:3:4:5", "dynamic:3:4:5:7"])
 def test_dflash_trees_over_the_blocks_distributions(shape):
     from pathlib import Path
 
@@ -155,4 +215,5 @@ def test_dflash_trees_over_the_blocks_distributions(shape):
     ids = json.loads((fx / "generate_medium.json").read_text())["prompt_ids"]
     want = target_only_greedy(tree.target, ids, 40, tree.target.eos_ids)
     assert generate(tree, ids, max_tokens=40).tokens == want == generate(chain, ids, max_tokens=40).tokens
-    assert tree.stats.tau >= chain.stats.tau  # the tree holds the chain (each depth's argmax)
+    if TreeShape.parse(shape).budget is None:  # a re-ranked tree may drop the deep end of the argmax chain
+        assert tree.stats.tau >= chain.stats.tau  # the tree holds the chain (each depth's argmax)

@@ -125,3 +125,31 @@ class RowCaches:
             c.select(perm)
         self.extras = {k: v[perm] for k, v in self.extras.items()}
         self.requests = want
+
+
+def finish_tree(tokens: list, parents: list, depth: list, scores: list, shape):
+    """The :class:`~mtpflow.state.DraftBlock` of a tree grown level by level.
+
+    ``tokens``, ``parents`` (verified-input index: 0 = the root), ``depth``
+    and ``scores`` (cumulative draft log-probability) hold one ``[B, m]``
+    array per level, parents before children.  With ``shape.budget`` below
+    the candidates drafted, only the ``budget`` of highest score are kept
+    (EAGLE-2's re-ranking), still parents before children.  A kept node's
+    parent is always kept: a child never scores above its parent, and a
+    small per-depth penalty breaks ties (a child of probability 1) towards
+    the parent."""
+    import mlx.core as mx
+
+    from ..state import DraftBlock
+
+    tok, par, dep = (mx.concatenate(x, axis=1) for x in (tokens, parents, depth))
+    n, keep = tok.shape[1], shape.nodes
+    if keep < n:
+        key = mx.maximum(mx.concatenate(scores, axis=1), -1e3) - 1e-3 * dep.astype(mx.float32)
+        sel = mx.sort(mx.argpartition(-key, keep - 1, axis=1)[:, :keep], axis=1)  # [B, keep], old node order
+        tok, dep, old = (mx.take_along_axis(x, sel, axis=1) for x in (tok, dep, par))
+        # a parent's new input index: 1 + its place among the kept nodes (the root stays 0)
+        where = (sel[:, None, :] == (old - 1)[:, :, None]).astype(mx.int32)
+        par = mx.where(old == 0, 0, 1 + mx.argmax(where, axis=-1).astype(mx.int32))
+        n = keep
+    return DraftBlock(tokens=tok, n_draft=n, parents=par, depth=dep, max_depth=shape.levels)

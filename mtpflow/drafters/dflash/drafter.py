@@ -25,7 +25,7 @@ from ...errors import IncompatibleDrafter
 from ...state import DraftBlock
 from ...targets.base import read_config
 from ...targets.cache import SlotKVCache
-from ..base import RowCaches, load_weights
+from ..base import RowCaches, finish_tree, load_weights
 from .config import DFlashConfig, check_compatible, is_dflash
 from .model import DFlashModel
 
@@ -151,7 +151,7 @@ class DFlashDrafter:
         one block forward gives every depth's distribution; a static shape
         expands each node into that depth's top tokens, a dynamic one keeps,
         best first, the ``width`` candidates of highest cumulative
-        log-probability per depth."""
+        log-probability per depth (re-ranked to its ``budget``)."""
         B, D = state.size, shape.levels
         if D + 1 > self.cfg.block_size:
             raise IncompatibleDrafter(f"tree depth {D} needs a block of {D + 1}, above this checkpoint's {self.cfg.block_size}")
@@ -159,7 +159,7 @@ class DFlashDrafter:
         lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)  # [B, D, V]
         cum = mx.zeros((B, 1), dtype=mx.float32)
         idx = mx.zeros((B, 1), dtype=mx.int32)
-        toks, pars, deps = [], [], []
+        toks, pars, deps, cums = [], [], [], []
         n = 0
         for d in range(D):
             F = cum.shape[1]
@@ -177,11 +177,11 @@ class DFlashDrafter:
             toks.append(child_tok.astype(mx.int32))
             pars.append(mx.take_along_axis(idx, parent, axis=1))
             deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
+            cums.append(child_cum)
             cum = child_cum
             idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
             n += m
-        return DraftBlock(tokens=mx.concatenate(toks, axis=1), n_draft=n, parents=mx.concatenate(pars, axis=1),
-                          depth=mx.concatenate(deps, axis=1), max_depth=D)
+        return finish_tree(toks, pars, deps, cums, shape)
 
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = state.size

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ...state import DraftBlock
 from ...targets.base import SLIDING, read_config
-from ..base import head_class, load_weights
+from ..base import finish_tree, head_class, load_weights
 from . import MODEL_TYPES
 from .config import check_compatible
 from .masks import drafter_mask
@@ -62,8 +62,9 @@ class Gemma4AssistantDrafter:
         depth runs one drafting step for the whole frontier at once, each
         node expanded into its top children (a static shape), or the
         ``width`` children with the highest cumulative draft log-probability
-        among all (a dynamic, EAGLE-2-style tree).  A child's state is its
-        parent's output, as along a chain."""
+        among all (a dynamic, EAGLE-2-style tree, re-ranked to its ``budget``
+        by :func:`~mtpflow.drafters.base.finish_tree`).  A child's state is
+        its parent's output, as along a chain."""
         B = state.size
         embed = session.target.embed
         kv, masks = self.round_inputs(shared)
@@ -72,7 +73,7 @@ class Gemma4AssistantDrafter:
         h = shared.hidden[:, None, :]
         idx = mx.zeros((B, 1), dtype=mx.int32)  # verified-input index of each frontier node (root = 0)
         cum = mx.zeros((B, 1), dtype=mx.float32)
-        toks, pars, deps = [], [], []
+        toks, pars, deps, cums = [], [], [], []
         n = 0
         for d in range(shape.levels):
             F = tok.shape[1]
@@ -97,12 +98,12 @@ class Gemma4AssistantDrafter:
             toks.append(child_tok.astype(mx.int32))
             pars.append(mx.take_along_axis(idx, parent, axis=1))
             deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
+            cums.append(child_cum)
             h = mx.take_along_axis(hn, parent[:, :, None], axis=1)
             tok, cum = child_tok, child_cum
             idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
             n += m
-        return DraftBlock(tokens=mx.concatenate(toks, axis=1), n_draft=n, parents=mx.concatenate(pars, axis=1),
-                          depth=mx.concatenate(deps, axis=1), max_depth=shape.levels)
+        return finish_tree(toks, pars, deps, cums, shape)
 
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = shared.last_tokens.shape[0]
