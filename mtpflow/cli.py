@@ -44,8 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model (default: detected from the drafter's config.json)")
     p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1, fixed (default: the adaptive policy, starting at the drafter's recommended size, else 4)")
     p.add_argument("--draft-policy", help="block-size policy: adaptive, fixed or a plugin's (default: fixed when --draft-block-size is given, else adaptive)")
-    p.add_argument("--draft-tree", help="verify a tree of candidates: children per depth ('4,2,1'), 'dynamic:TOPK:WIDTH:DEPTH' "
-                                        "(EAGLE-2), or 'auto' (the adaptive policy measures trees against chains) (default: off)")
+    p.add_argument("--draft-tree", help="verify a tree of candidates: children per depth ('4,2,1'), 'dynamic:TOPK:WIDTH:DEPTH[:NODES]' "
+                                        "(EAGLE-2; NODES: verify only that many, the most probable), or 'auto' (the adaptive policy measures trees against chains) (default: off)")
     p.add_argument("--config", help="TOML config file, or the name of a shipped config (default, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b); flags override it (default: none)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default: float32)")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],

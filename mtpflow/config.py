@@ -95,7 +95,8 @@ class DraftConfig:
     #: of a registered head (``mtpflow_register_lm_heads``)
     head: str = "auto"
     #: draft trees: "off" (chains), a shape ("4,2,1": children per depth;
-    #: "dynamic:TOPK:WIDTH:DEPTH": EAGLE-2's), or "auto" (the adaptive policy
+    #: "dynamic:TOPK:WIDTH:DEPTH[:NODES]": EAGLE-2's, verifying the NODES most
+    #: probable candidates when given), or "auto" (the adaptive policy
     #: measures a few shapes against the chains and uses a tree only where it pays)
     tree: str = field(default="off", validator=lambda i, a, v: _check_tree(v))
 
