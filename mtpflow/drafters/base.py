@@ -127,6 +127,86 @@ class RowCaches:
         self.requests = want
 
 
+class TreeBuilder:
+    """Grows a draft tree level by level for any drafter with per-node
+    distributions: :meth:`expand` picks each level's candidates from the
+    frontier's log-probabilities (a static shape: each node's top
+    ``branching[d]``; a dynamic one: the ``width`` of highest cumulative
+    log-probability among ``branching[0]`` per node), :meth:`add` records
+    them as the next frontier, :meth:`finish` gives the
+    :class:`~mtpflow.state.DraftBlock` (re-ranked to ``shape.budget``).  How a
+    frontier's distributions are computed is the drafter's own business."""
+
+    def __init__(self, shape, B: int):
+        import mlx.core as mx
+
+        self.shape, self.B = shape, B
+        self.cum = mx.zeros((B, 1), dtype=mx.float32)  # cumulative log-probability of each frontier node
+        self.idx = mx.zeros((B, 1), dtype=mx.int32)  # verified-input index of each frontier node (root = 0)
+        self.n = 0
+        self.levels: tuple[list, list, list, list] = ([], [], [], [])
+
+    def expand(self, d: int, lp, ids=None):
+        """``lp [B, F, V]``: log-probabilities of each frontier node's
+        children over ``V`` choices (``F = 1`` with a larger frontier: one
+        distribution shared by every node, as a block drafter's depth);
+        ``ids``: the token of each choice, broadcastable to ``lp`` (default:
+        the choice's index).  Returns ``(tokens [B, m], parent [B, m])``: each
+        candidate's token and its parent's frontier slot."""
+        import mlx.core as mx
+
+        shape, B = self.shape, self.B
+        F = self.cum.shape[1]
+        b = shape.branching[0] if shape.width is not None else shape.branching[d]
+        if lp.shape[1] == 1 and F > 1:  # one distribution for the whole frontier: rank it once
+            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]
+            top_lp = mx.broadcast_to(mx.take_along_axis(lp, top, axis=-1), (B, F, b))
+        else:
+            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]  # [B, F, b]
+            top_lp = mx.take_along_axis(lp, top, axis=-1)
+        tok = top if ids is None else mx.take_along_axis(ids, top, axis=-1)
+        tok = mx.broadcast_to(tok, (B, F, b)).reshape(B, F * b)
+        cum = (self.cum[:, :, None] + top_lp).reshape(B, F * b)
+        parent = mx.broadcast_to(mx.repeat(mx.arange(F, dtype=mx.int32), b)[None], (B, F * b))
+        if shape.width is not None and F * b > shape.width:  # keep the most probable candidates
+            keep = mx.argpartition(-cum, shape.width - 1, axis=-1)[:, : shape.width]
+            tok, cum, parent = (mx.take_along_axis(x, keep, axis=1) for x in (tok, cum, parent))
+        self.cum = cum
+        return tok, parent
+
+    def add(self, d: int, tokens, parent) -> None:
+        """Record level ``d``'s candidates (``tokens [B, m]``, target ids, from
+        the last :meth:`expand`); they become the frontier."""
+        import mlx.core as mx
+
+        m = tokens.shape[1]
+        toks, pars, deps, cums = self.levels
+        toks.append(tokens.astype(mx.int32))
+        pars.append(mx.take_along_axis(self.idx, parent, axis=1))
+        deps.append(mx.full((self.B, m), d + 1, dtype=mx.int32))
+        cums.append(self.cum)
+        self.idx = mx.broadcast_to(1 + self.n + mx.arange(m, dtype=mx.int32)[None], (self.B, m))
+        self.n += m
+
+    def finish(self):
+        return finish_tree(*self.levels, self.shape)
+
+
+def tree_visibility_step(anc, parent):
+    """Ancestor-or-self rows ``[B, m, T + m]`` of a new frontier over the
+    tree slots a level-by-level drafter has appended to its own cache (``T``
+    before, then the frontier's ``m``): each node sees its parent's row and
+    itself.  ``anc``: the previous frontier's rows (``None`` at the first
+    level); ``parent [B, m]``: each node's slot in the previous frontier."""
+    import mlx.core as mx
+
+    B, m = parent.shape
+    own = mx.broadcast_to(mx.eye(m, dtype=mx.bool_)[None], (B, m, m))
+    if anc is None:
+        return own
+    return mx.concatenate([mx.take_along_axis(anc, parent[:, :, None], axis=1), own], axis=-1)
+
+
 def finish_tree(tokens: list, parents: list, depth: list, scores: list, shape):
     """The :class:`~mtpflow.state.DraftBlock` of a tree grown level by level.
 

@@ -25,7 +25,7 @@ from ...errors import IncompatibleDrafter
 from ...state import DraftBlock
 from ...targets.base import read_config
 from ...targets.cache import SlotKVCache
-from ..base import RowCaches, finish_tree, load_weights
+from ..base import RowCaches, TreeBuilder, load_weights
 from .config import DFlashConfig, check_compatible, is_dflash
 from .model import DFlashModel
 
@@ -157,31 +157,11 @@ class DFlashDrafter:
             raise IncompatibleDrafter(f"tree depth {D} needs a block of {D + 1}, above this checkpoint's {self.cfg.block_size}")
         lg = self._block_logits(state, D).astype(mx.float32)
         lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)  # [B, D, V]
-        cum = mx.zeros((B, 1), dtype=mx.float32)
-        idx = mx.zeros((B, 1), dtype=mx.int32)
-        toks, pars, deps, cums = [], [], [], []
-        n = 0
-        for d in range(D):
-            F = cum.shape[1]
-            b = shape.branching[0] if shape.width is not None else shape.branching[d]
-            top = mx.argpartition(-lp[:, d], b - 1, axis=-1)[:, :b]  # [B, b]: this depth's best tokens
-            top_lp = mx.take_along_axis(lp[:, d], top, axis=-1)
-            child_tok = mx.broadcast_to(top[:, None, :], (B, F, b)).reshape(B, F * b)
-            child_cum = (cum[:, :, None] + top_lp[:, None, :]).reshape(B, F * b)
-            parent = mx.broadcast_to(mx.repeat(mx.arange(F, dtype=mx.int32), b)[None], (B, F * b))
-            if shape.width is not None and F * b > shape.width:
-                keep = mx.argpartition(-child_cum, shape.width - 1, axis=-1)[:, : shape.width]
-                child_tok, child_cum = mx.take_along_axis(child_tok, keep, axis=1), mx.take_along_axis(child_cum, keep, axis=1)
-                parent = mx.take_along_axis(parent, keep, axis=1)
-            m = child_tok.shape[1]
-            toks.append(child_tok.astype(mx.int32))
-            pars.append(mx.take_along_axis(idx, parent, axis=1))
-            deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
-            cums.append(child_cum)
-            cum = child_cum
-            idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
-            n += m
-        return finish_tree(toks, pars, deps, cums, shape)
+        grow = TreeBuilder(shape, B)
+        for d in range(D):  # every node of a depth shares that depth's distribution
+            tok, parent = grow.expand(d, lp[:, d : d + 1])
+            grow.add(d, tok, parent)
+        return grow.finish()
 
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = state.size

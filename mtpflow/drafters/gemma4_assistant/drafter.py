@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ...state import DraftBlock
 from ...targets.base import SLIDING, read_config
-from ..base import finish_tree, head_class, load_weights
+from ..base import TreeBuilder, head_class, load_weights
 from . import MODEL_TYPES
 from .config import check_compatible
 from .masks import drafter_mask
@@ -71,10 +71,7 @@ class Gemma4AssistantDrafter:
         pos = shared.bonus_position + self.position_shift
         tok = shared.last_tokens[:, None]  # the frontier: [B, F]
         h = shared.hidden[:, None, :]
-        idx = mx.zeros((B, 1), dtype=mx.int32)  # verified-input index of each frontier node (root = 0)
-        cum = mx.zeros((B, 1), dtype=mx.float32)
-        toks, pars, deps, cums = [], [], [], []
-        n = 0
+        grow = TreeBuilder(shape, B)
         for d in range(shape.levels):
             F = tok.shape[1]
             e = embed(tok)
@@ -82,28 +79,10 @@ class Gemma4AssistantDrafter:
             final, hn = self.model.step_many(x, kv, masks, mx.broadcast_to(pos[:, None], (B, F)))
             ids, lg = self.model.head_support(final)  # [B, F, S]
             lg = lg.astype(mx.float32)
-            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-            b = shape.branching[0] if shape.width is not None else shape.branching[d]
-            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]  # [B, F, b]
-            child_tok = mx.take_along_axis(ids, top, axis=-1).reshape(B, F * b)
-            child_cum = (cum[:, :, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(B, F * b)
-            parent = mx.repeat(mx.arange(F, dtype=mx.int32), b)[None]  # frontier slot of each child
-            parent = mx.broadcast_to(parent, (B, F * b))
-            if shape.width is not None and F * b > shape.width:  # keep the most probable candidates
-                keep = mx.argpartition(-child_cum, shape.width - 1, axis=-1)[:, : shape.width]
-                child_tok = mx.take_along_axis(child_tok, keep, axis=1)
-                child_cum = mx.take_along_axis(child_cum, keep, axis=1)
-                parent = mx.take_along_axis(parent, keep, axis=1)
-            m = child_tok.shape[1]
-            toks.append(child_tok.astype(mx.int32))
-            pars.append(mx.take_along_axis(idx, parent, axis=1))
-            deps.append(mx.full((B, m), d + 1, dtype=mx.int32))
-            cums.append(child_cum)
+            tok, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True), ids)
+            grow.add(d, tok, parent)
             h = mx.take_along_axis(hn, parent[:, :, None], axis=1)
-            tok, cum = child_tok, child_cum
-            idx = mx.broadcast_to(1 + n + mx.arange(m, dtype=mx.int32)[None], (B, m))
-            n += m
-        return finish_tree(toks, pars, deps, cums, shape)
+        return grow.finish()
 
     def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
         B = shared.last_tokens.shape[0]
