@@ -139,7 +139,11 @@ class Drafter(Protocol):
     ``prefilled(session, state)`` (new rows, with the prompt's target
     layers) and ``commit(session, state, accepted)``, called once per round
     after acceptance with the host-side :class:`AcceptResult`, for drafters
-    that keep state of their own (a KV cache to roll back).
+    that keep state of their own (a KV cache to roll back), and
+    ``propose_tree(session, state, shared, shape)`` returning a tree
+    :class:`DraftBlock` for a :class:`~mtpflow.state.TreeShape` (a drafter
+    without it drafts chains; :class:`mtpflow.drafters.base.TreeBuilder`
+    grows one level by level from per-node log-probabilities).
     """
 
     model_types: tuple[str, ...]

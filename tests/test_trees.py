@@ -217,3 +217,207 @@ def test_dflash_trees_over_the_blocks_distributions(shape):
     assert generate(tree, ids, max_tokens=40).tokens == want == generate(chain, ids, max_tokens=40).tokens
     if TreeShape.parse(shape).budget is None:  # a re-ranked tree may drop the deep end of the argmax chain
         assert tree.stats.tau >= chain.stats.tau  # the tree holds the chain (each depth's argmax)
+
+
+# --------------------------------------------------------------------------------------
+# every kind that drafts trees level by level: the assistant (no cache of its own),
+# EAGLE-3 and the draft model (each appends a level's nodes to a cache of its own)
+# --------------------------------------------------------------------------------------
+EAGLE3 = FIXTURES.parent / "eagle3"
+DRAFT_MODEL = {"draft_kind": "model", "draft_model": str(FIXTURES / "pair_d" / "target")}
+
+
+def _kind_session(kind, shape, plugins=None, policy="adaptive", **over):
+    """A session of drafter ``kind`` with ``[draft] tree = shape`` (``policy``:
+    ``fixed`` drafts that tree from the first round on)."""
+    from mtpflow.config import load_config
+    from mtpflow.engine import load_session
+
+    draft = {"block_size": 4, "tree": shape, "policy": policy}
+    if kind == "eagle3":
+        ov = {"model": {"model": str(EAGLE3 / "target"), "draft_model": str(EAGLE3 / "drafter_train")}, "draft": draft}
+        for k, v in over.items():
+            ov.setdefault(k, {}).update(v)
+        return load_session(load_config(overrides=ov), plugins=plugins)
+    if kind == "model":
+        return make_session("e", block_size=4, with_drafter=False, model=DRAFT_MODEL, draft=draft, plugins=plugins, **over)
+    return make_session("e", block_size=4, draft=draft, plugins=plugins, **over)
+
+
+def _kind_prompts(kind):
+    if kind == "eagle3":
+        return [np.load(EAGLE3 / "drafter_default" / f"ref_{p}.npz")["prompt_ids"].tolist() for p in ("long", "short", "mid")]
+    return PROMPTS
+
+
+def _first_tree(kind, shape, ids):
+    """The tree the drafter proposes in the first round for prompt ``ids``."""
+    s = _kind_session(kind, shape, policy="fixed")
+    got, own = [], s.drafter.propose_tree
+    s.drafter.propose_tree = lambda *a: got.append(own(*a)) or got[-1]
+    generate(s, ids, max_tokens=6)
+    return got[0]
+
+
+def _paths(block, row=0):
+    """Every node's token path from the root, as tuples."""
+    tok, par = np.array(block.tokens[row]).tolist(), np.array(block.parents[row]).tolist()
+    out = set()
+    for i in range(len(tok)):
+        path, j = [], i + 1
+        while j > 0:
+            path.append(tok[j - 1])
+            j = par[j - 1]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+TREE_KINDS = ["assistant", "eagle3", "model"]
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_a_nodes_subtree_does_not_depend_on_its_siblings(kind):
+    """From the same context, the subtree under the first draft is the same
+    whether the tree has one first draft or four: a node's distribution is
+    its own path's, whatever else the drafter's cache holds that round."""
+    for ids in _kind_prompts(kind)[:2]:
+        alone, wide = _first_tree(kind, "1,4,3", ids), _first_tree(kind, "4,4,3", ids)
+        first = next(iter(_paths(alone)))[0]
+        under = {p for p in _paths(wide) if p[0] == first}
+        assert len(under) == 1 + 4 + 12 and under == _paths(alone)
+
+
+def _spy_logits(session, kind):
+    """A list that records every draft distribution the drafter computes (its
+    head's or the draft model's logits)."""
+    drawn = []
+    if kind == "eagle3":
+        model = session.drafter.model
+        own = model.head
+
+        def head(out):
+            lg, h = own(out)
+            drawn.append(lg)
+            return lg, h
+        model.head = head
+    else:
+        own = session.drafter.model.logits
+        session.drafter.model.logits = lambda h: drawn.append(own(h)) or drawn[-1]
+    return drawn
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "model"])
+def test_a_chain_shaped_tree_drafts_the_chain(kind):
+    """Tree ``1,1,1`` computes, depth by depth, the very distributions the
+    chain of three drafts does: the same tokens at the same positions, over
+    the same cache."""
+    ids = _kind_prompts(kind)[0]
+    chain, tree = _kind_session(kind, "off", policy="fixed"), _kind_session(kind, "1,1,1", policy="fixed")
+    blocks, drawn = [], []
+    for s, name in ((chain, "propose"), (tree, "propose_tree")):
+        got, own = [], getattr(s.drafter, name)
+        setattr(s.drafter, name, lambda *a, own=own, got=got: got.append(own(*a)) or got[-1])
+        drawn.append(_spy_logits(s, kind))
+        generate(s, ids, max_tokens=6)
+        blocks.append(got[0])
+    assert np.array(blocks[1].tokens).tolist() == np.array(blocks[0].tokens).tolist()
+    assert np.array(blocks[1].depth).tolist() == [[1, 2, 3]]
+    c, t = drawn[0][:3], drawn[1][:3]  # the first round's three draft distributions
+    for a, b in zip(c, t):
+        assert np.abs(np.array(a).reshape(-1) - np.array(b).reshape(-1)).max() < 1e-5
+
+
+def test_draft_model_cache_after_tree_rounds_equals_a_fresh_prefill():
+    """After tree rounds (side branches accepted) the draft model's next
+    distribution is the one a fresh draft model gives on the whole sequence:
+    no tree slot is left behind, the accepted path is read again."""
+    from mtpflow.state import BatchState, RowState
+
+    s = _kind_session("model", "dynamic:3:4:3", batch={"max_batch_size": 3})
+    b = Batcher(s)
+    b.add([make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(PROMPTS)])
+    for _ in range(5):
+        b.step()
+    assert s.stats.accepted_tokens > 0 and s.drafter.tail == 0
+    live, _ = s.drafter._catch_up(s, b.state)
+    for i, row in enumerate(b.state.rows):
+        fresh = _kind_session("model", "off")
+        one = BatchState(rows=[RowState(request=row.request, generated=list(row.generated), position=row.position)],
+                         cache=None, last_tokens=None, hidden=None, positions=None)
+        want, _ = fresh.drafter._catch_up(fresh, one)  # a new row: prefilled, then its last token read
+        assert np.abs(np.array(want[0]) - np.array(live[i])).max() < 1e-4, i
+
+
+@pytest.mark.parametrize("shape", ["3,2", "2,2,1", "dynamic:4:5:3", "dynamic:4:5:3:6", "2" + ",1" * 18])
+@pytest.mark.parametrize("kind", ["eagle3", "model"])
+def test_greedy_trees_equal_target_only_for_drafters_with_caches(kind, shape):
+    from mtpflow.engine import target_only_greedy
+
+    log = RoundLog()
+    s = _kind_session(kind, shape, plugins=make_plugin_manager([log], autoload=False), batch={"max_batch_size": 3})
+    ps, ms = _kind_prompts(kind), [24, 13, 30]
+    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(ps, ms))]
+    out = {r.id: [] for r in reqs}
+    from mtpflow.engine import generate_stream
+
+    for ev in generate_stream(s, reqs):
+        out[ev.request_id].extend(ev.tokens)
+    for r in reqs:
+        assert out[r.id] == target_only_greedy(s.target, r.prompt, r.max_tokens, s.target.eos_ids), (shape, r.id)
+    assert any(r.tree is not None and r.batch_size > 1 for r in log.records)
+
+
+def test_a_draft_model_drafting_for_itself_has_every_tree_path_accepted():
+    """The target as its own draft model: the argmax path of every tree is the
+    target's output, so each tree round accepts its whole depth -- also past the
+    16-token sliding window (the subtree and chain-shaped tests
+    above check the distributions themselves)."""
+    for shape in ("3,2,2", "dynamic:3:4:4:6", "2" + ",1" * 18):
+        log = RoundLog()
+        s = make_session("e", block_size=4, with_drafter=False, plugins=make_plugin_manager([log], autoload=False),
+                         model={"draft_kind": "model", "draft_model": str(FIXTURES / "pair_e" / "target")}, draft={"tree": shape})
+        for ids, n in zip(PROMPTS, (45, 30, 25)):
+            assert generate(s, ids, max_tokens=n).tokens == reference(s, ids, n)
+        trees = [r for r in log.records if r.tree is not None]
+        assert len(trees) >= 3 and all(r.accepted == [r.drafted] for r in trees), shape
+
+
+def test_eagle3_cache_after_tree_rounds_equals_a_fresh_prefill():
+    """After tree rounds the EAGLE-3 drafter's cache holds exactly the accepted
+    context: the next chain's drafts and first logits equal those of a drafter
+    that prefilled the whole sequence."""
+    from mtpflow.state import BatchState, RowState
+
+    s = _kind_session("eagle3", "dynamic:3:4:3")
+    b = Batcher(s)
+    ps = _kind_prompts("eagle3")
+    b.add([make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(ps)])
+    for _ in range(5):
+        b.step()
+    st = b.state
+    assert s.drafter.chain == 0 and s.stats.rounds >= 5
+    live = s.drafter.propose(s, st, None, 3)
+    live_logits, _ = s.drafter.model.head(s.drafter.last_out)
+    for i, row in enumerate(st.rows):
+        seq = list(row.request.prompt) + list(row.generated)
+        fresh = _kind_session("eagle3", "off")
+        cache, hid, taps = fresh.target.prefill([seq[:-1]], taps=fresh.tap_layers)
+        L = len(seq) - 1
+        one = BatchState(rows=[RowState(request=row.request, position=L)], cache=cache, last_tokens=mx.array([seq[-1]], dtype=mx.int32),
+                         hidden=hid, positions=mx.array([L], dtype=mx.int32), fwd_tokens=mx.array([seq[:-1]], dtype=mx.int32),
+                         fwd_positions=mx.arange(L, dtype=mx.int32)[None], taps=taps)
+        fresh.drafter.prefilled(fresh, one)
+        block = fresh.drafter.propose(fresh, one, None, 3)
+        fresh_logits, _ = fresh.drafter.model.head(fresh.drafter.last_out)
+        assert np.abs(np.array(fresh_logits[0]) - np.array(live_logits[i])).max() < 1e-3, i
+        assert np.array(block.tokens[0]).tolist() == np.array(live.tokens[i]).tolist(), i
+
+
+def test_sampling_through_a_draft_models_tree_is_lossless():
+    import test_sampling_engine as tse
+
+    sp = lambda seed: SamplingParams(temperature=0.8, top_p=0.9, seed=seed)  # noqa: E731
+    P = tse.exact_joint(make_session("e", block_size=1, with_drafter=False).target, sp(0), 2)
+    s = _kind_session("model", "3,2", batch={"max_batch_size": 4000})
+    Q = tse.empirical(s, sp, 2, n=8000, chunk=4000)
+    assert s.stats.accepted_tokens > 0 and tse.tv(P, Q) < tse.tv_bound(P, 8000)

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from ..state import DraftBlock
 from ..targets.base import read_config
-from .base import IncompatibleDrafter
+from .base import IncompatibleDrafter, TreeBuilder, tree_visibility_step
 from ..targets.cache import merge_caches
 
 PAD_ID = 0
@@ -137,6 +137,7 @@ class DraftModelDrafter:
         self.ids: list[str] = []  # request id of every cache row, in cache order
         self.rows: dict[str, _Row] = {}
         self.tail = 0  # drafted slots at the end of the cache (last propose)
+        self.tree = False  # the last propose drafted a tree (its slots are not a chain)
         self.round = None  # state.round at the last propose
 
     @classmethod
@@ -166,7 +167,7 @@ class DraftModelDrafter:
 
     # -- cache maintenance -------------------------------------------------------------
     def reset(self) -> None:
-        self.cache, self.ids, self.rows, self.tail, self.round = None, [], {}, 0, None
+        self.cache, self.ids, self.rows, self.tail, self.tree, self.round = None, [], {}, 0, False, None
 
     def _invalidate_from(self, limit: mx.array) -> None:
         """Mark every slot at a position ``>= limit[b]`` of row ``b`` empty."""
@@ -183,6 +184,9 @@ class DraftModelDrafter:
         order of ``state.rows`` (the cache's order since this round's propose)."""
         if self.cache is None or self.round != state.round or not self.tail:
             return  # no proposal of ours in this round
+        if self.tree:  # the accepted path's slots lie among its siblings': re-read it next round
+            self._rollback()
+            return
         kept = 0
         for rid, n in zip(self.ids, accepted.counts):
             info = self.rows[rid]
@@ -247,10 +251,11 @@ class DraftModelDrafter:
         self.ids = want
 
     # -- drafting ------------------------------------------------------------------------
-    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
-        B = state.size
-        if n_draft <= 0:
-            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+    def _catch_up(self, session, state):
+        """Bring the cache up to each row's last token (rows joined or left,
+        the tokens emitted since the last round); returns the draft model's
+        log-probabilities for the first draft ``[B, V]`` and each row's
+        position of it ``[B]``."""
         target = self.model
         self._rollback()
         self._sync_rows(state)
@@ -258,31 +263,66 @@ class DraftModelDrafter:
         fed = [i.fed for i in infos]
         target.compact(self.cache, n_valid_max=max(fed), min_positions=fed)
 
-        # catch-up: every token a row emitted since the cache last saw it (right padded)
+        # every token a row emitted since the cache last saw it (right padded)
         seqs = [list(r.request.prompt) + list(r.generated) for r in state.rows]
         catch = [s[f:] for s, f in zip(seqs, fed)]
         lens = [len(c) for c in catch]
         L = max(lens)
         tokens = mx.array([c + [PAD_ID] * (L - n) for c, n in zip(catch, lens)], dtype=mx.int32)
         target.set_offsets(self.cache, mx.array(fed, dtype=mx.int32))
-        submit = session.submit_layers  # as the target's verify: each layer starts as it is built
-        hidden, _ = target.forward_with_taps(tokens, self.cache, (), submit=submit)
+        hidden, _ = target.forward_with_taps(tokens, self.cache, (), submit=session.submit_layers)
         nxt = mx.array([len(s) for s in seqs], dtype=mx.int32)  # p0 + 1 per row
         if L > 1:
             last = mx.array([n - 1 for n in lens], dtype=mx.int32)
             hidden = mx.take_along_axis(hidden, last[:, None, None], axis=1)
             if min(lens) < L:
                 self._invalidate_from(nxt)  # the padding slots
-        tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
+        for info, s in zip(infos, seqs):
+            info.fed = len(s)  # catch-up tokens are real tokens
+            info.p0 = len(s) - 1
+        self.round = state.round
+        return target.logits(hidden[:, -1]), nxt
+
+    def propose(self, session, state, shared, n_draft: int) -> DraftBlock:
+        B = state.size
+        if n_draft <= 0:
+            return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+        target = self.model
+        submit = session.submit_layers  # as the target's verify: each layer starts as it is built
+        logits, nxt = self._catch_up(session, state)
+        tok = mx.argmax(logits, axis=-1).astype(mx.int32)
         out = [tok]
         for j in range(n_draft - 1):
             target.set_offsets(self.cache, nxt + j)
             hidden, _ = target.forward_with_taps(tok[:, None], self.cache, (), submit=submit)
             tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
             out.append(tok)
-        for info, s in zip(infos, seqs):
-            info.fed = len(s)  # catch-up tokens are real tokens
-            info.p0 = len(s) - 1
-        self.tail = n_draft - 1
-        self.round = state.round
+        self.tail, self.tree = n_draft - 1, False
         return DraftBlock(tokens=mx.stack(out, axis=1), n_draft=n_draft)
+
+    def propose_tree(self, session, state, shared, shape) -> DraftBlock:
+        """A tree of candidates (:class:`~mtpflow.state.TreeShape`): one
+        draft-model forward per depth over the whole frontier
+        (:meth:`~mtpflow.targets.base.TextTarget.forward_tree`), each node at
+        its depth's position seeing the context and its own ancestors' slots
+        only.  :meth:`commit` drops every tree slot; the next catch-up reads
+        the accepted path with the bonus token (a few tokens in one forward)."""
+        B = state.size
+        target = self.model
+        logits, nxt = self._catch_up(session, state)
+        lg = logits.astype(mx.float32)[:, None]  # [B, 1, V]: the root's children
+        grow = TreeBuilder(shape, B)
+        anc, appended = None, 0
+        for d in range(shape.levels):
+            tok, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            grow.add(d, tok, parent)
+            if d == shape.levels - 1:
+                break
+            F = tok.shape[1]
+            anc = tree_visibility_step(anc, parent)
+            pos = mx.broadcast_to((nxt + d)[:, None], (B, F))
+            hidden, _ = target.forward_tree(tok.astype(mx.int32), self.cache, pos, anc, (), submit=session.submit_layers)
+            lg = target.logits(hidden).astype(mx.float32)
+            appended += F
+        self.tail, self.tree = appended, True
+        return grow.finish()

@@ -291,8 +291,11 @@ class TargetAdapter:
         """One forward over a tree of candidates ``tokens [B, N]`` (node 0:
         the root), node ``i`` at ``positions[:, i]`` (root + depth) seeing the
         cache and, among the nodes, only those with ``visible[:, i, j]`` (its
-        ancestors and itself).  Returns what :meth:`forward_with_taps` does
-        (``submit``: as there)."""
+        ancestors and itself).  ``visible`` may be ``[B, N, T + N]``: its first
+        ``T`` columns are the cache's last ``T`` slots, nodes of the same tree
+        an earlier call appended (a draft model growing a tree level by
+        level); the slots before them are seen by position.  Returns what
+        :meth:`forward_with_taps` does (``submit``: as there)."""
         attns = [getattr(layer, "self_attn", None) for layer in self.decoder_layers]
         saved = [(a, a.rope) for a in attns if a is not None and getattr(a, "rope", None) is not None]
         for a, rope in saved:

@@ -47,7 +47,8 @@ class SlotKVCache:
         self.dense = False
         #: a tree verify in progress: ``(positions [B, N], visible [B, N, N])``
         #: -- the new slots' positions (root + depth) and which of them each
-        #: query sees (its ancestors and itself), see :meth:`tree`
+        #: query sees (its ancestors and itself), see :meth:`tree`; ``visible``
+        #: may be ``[B, N, T + N]``, also covering the last ``T`` old slots
         self._tree = None
 
     # -- mlx-lm protocol -------------------------------------------------------------
@@ -123,14 +124,19 @@ class SlotKVCache:
 
     def _tree_mask(self, N: int, window):
         """Tree verify: each node sees the valid old slots before it (within the
-        window) and, among the new slots, its own ancestors and itself."""
+        window) and, among the new slots, its own ancestors and itself.  A
+        ``visible`` wider than ``N`` (``[B, N, T + N]``) also covers the ``T``
+        slots before the new ones: tree nodes an earlier forward of the same
+        tree appended (a drafter growing its tree level by level)."""
         q, visible = self._tree
-        old = self.positions[:, : self.idx] if self.idx else mx.zeros((q.shape[0], 0), mx.int32)
+        split = self.idx - (visible.shape[-1] - N)  # the slots before it are context, seen by position
+        old = self.positions[:, :split] if split else mx.zeros((q.shape[0], 0), mx.int32)
         om = (old[:, None, :] >= 0) & (old[:, None, :] <= q[:, :, None])
         nm = visible
         if window is not None:
+            tp = mx.concatenate([self.positions[:, split : self.idx], q], axis=1) if split < self.idx else q
             om = om & (old[:, None, :] > q[:, :, None] - window)
-            nm = nm & (q[:, None, :] > q[:, :, None] - window)
+            nm = nm & (tp[:, None, :] > q[:, :, None] - window)
         return mx.concatenate([om, nm], axis=-1)[:, None]
 
     @contextmanager

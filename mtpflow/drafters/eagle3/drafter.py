@@ -17,7 +17,12 @@ Per round, with no host synchronisation of its own:
   chains the rest: the drafted token's embedding with the fed-back state, at
   its own position, attending to the context and to the block's own chain
   (a sliding window stays anchored at the block's first position, as in
-  speculators' training-time test).
+  speculators' training-time test);
+* :meth:`Eagle3Drafter.propose_tree` drafts a tree instead (EAGLE-2's
+  dynamic trees, or a static shape): one step per depth for the whole
+  frontier, each node's K/V appended to the drafter's cache and seen only by
+  its own descendants; :meth:`commit` drops those slots as it drops a
+  chain's.
 
 Drafts are chosen by argmax over the draft vocabulary and mapped to target
 ids with ``d2t``; the rejection sampler verifies them with a one-hot ``q``.
@@ -32,7 +37,7 @@ import mlx.core as mx
 from ...state import DraftBlock
 from ...targets.base import read_config
 from ...targets.cache import SlotKVCache
-from ..base import RowCaches, load_weights
+from ..base import RowCaches, TreeBuilder, load_weights, tree_visibility_step
 from .config import Eagle3Config, check_compatible, is_eagle3, safetensors_shapes
 from .model import Eagle3Model
 
@@ -183,3 +188,39 @@ class Eagle3Drafter:
             out.append(tok)
         self.chain = n_draft - 1
         return DraftBlock(tokens=mx.stack(out, axis=1), n_draft=n_draft)
+
+    def propose_tree(self, session, state, shared, shape) -> DraftBlock:
+        """A tree of candidates (:class:`~mtpflow.state.TreeShape`), as
+        EAGLE-2 grows one: the first depth from the last context output, then
+        one drafting step per depth over the whole frontier, each node fed
+        its token's embedding with its parent's state at its depth's
+        position.  Its K/V go to the drafter's cache; a node attends to the
+        context and to its own ancestors' slots only, so every node's
+        distribution is the one a chain through its path would give."""
+        B = state.size
+        self.rows.sync(state.rows)
+        m, layer, cache = self.model, self.model.layer, self.cache
+        grow = TreeBuilder(shape, B)
+        logits, h = m.head(self.last_out)
+        lg = logits.astype(mx.float32)[:, None]  # [B, 1, Vd]: the root's children
+        h = h[:, None]
+        anchor = state.positions[:, None]
+        context = cache.idx
+        anc = None  # ancestor-or-self rows of the frontier over the tree slots appended
+        for d in range(shape.levels):
+            choice, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            tok = m.to_target(choice)
+            grow.add(d, tok, parent)
+            if d == shape.levels - 1:
+                break
+            F = tok.shape[1]
+            pos = mx.broadcast_to(anchor + d + 1, (B, F))
+            q, k, v, res = layer.project(self.embed(tok), mx.take_along_axis(h, parent[:, :, None], axis=1), pos)
+            keys, values = self._append(cache, k, v, pos)
+            anc = tree_visibility_step(anc, parent)
+            seen = self._mask(cache.positions[:, :context], pos, mx.broadcast_to(anchor, (B, F)))
+            o = layer.finish(q, keys, values, mx.concatenate([seen, anc[:, None]], axis=-1), res)
+            logits, h = m.head(o)
+            lg = logits.astype(mx.float32)
+        self.chain = cache.idx - context
+        return grow.finish()
