@@ -198,11 +198,18 @@ def test_drafter_cache_after_ragged_rounds_equals_a_fresh_prefill():
     st = b.state
     assert max(s.stats.accepted_per_position) > 0 and s.stats.accepted_tokens < s.stats.draft_tokens
     shared = s.hook.mtpflow_bind_shared_kv(session=s, state=st)
+    assert_next_block_as_after_a_fresh_prefill(s, st, lambda: load_session(cfg, plugins=pm), shared)
+
+
+def assert_next_block_as_after_a_fresh_prefill(s, st, fresh_session, shared=None):
+    """The drafter's next chain of 3 (drafts and first logits) for every row of
+    ``st`` equals that of a ``fresh_session()`` drafter prefilled with the row's
+    whole sequence: its cache holds exactly the accepted context."""
     live = s.drafter.propose(s, st, shared, 3)
     live_logits, _ = s.drafter.model.head(s.drafter.last_out)
     for i, row in enumerate(st.rows):
         seq = list(row.request.prompt) + list(row.generated)
-        fresh = load_session(cfg, plugins=pm)
+        fresh = fresh_session()
         cache, hid, taps = fresh.target.prefill([seq[:-1]], taps=fresh.tap_layers)
         L = len(seq) - 1
         one = BatchState(rows=[RowState(request=row.request, position=L)], cache=cache, last_tokens=mx.array([seq[-1]], dtype=mx.int32),

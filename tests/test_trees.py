@@ -333,7 +333,7 @@ def test_draft_model_cache_after_tree_rounds_equals_a_fresh_prefill():
     no tree slot is left behind, the accepted path is read again."""
     from mtpflow.state import BatchState, RowState
 
-    s = _kind_session("model", "dynamic:3:4:3", batch={"max_batch_size": 3})
+    s = _kind_session("model", "dynamic:3:4:3", policy="fixed", batch={"max_batch_size": 3})
     b = Batcher(s)
     b.add([make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(PROMPTS)])
     for _ in range(5):
@@ -386,31 +386,16 @@ def test_eagle3_cache_after_tree_rounds_equals_a_fresh_prefill():
     """After tree rounds the EAGLE-3 drafter's cache holds exactly the accepted
     context: the next chain's drafts and first logits equal those of a drafter
     that prefilled the whole sequence."""
-    from mtpflow.state import BatchState, RowState
+    from test_eagle3 import assert_next_block_as_after_a_fresh_prefill
 
-    s = _kind_session("eagle3", "dynamic:3:4:3")
+    s = _kind_session("eagle3", "dynamic:3:4:3", policy="fixed")
     b = Batcher(s)
     ps = _kind_prompts("eagle3")
     b.add([make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(ps)])
     for _ in range(5):
         b.step()
-    st = b.state
     assert s.drafter.chain == 0 and s.stats.rounds >= 5
-    live = s.drafter.propose(s, st, None, 3)
-    live_logits, _ = s.drafter.model.head(s.drafter.last_out)
-    for i, row in enumerate(st.rows):
-        seq = list(row.request.prompt) + list(row.generated)
-        fresh = _kind_session("eagle3", "off")
-        cache, hid, taps = fresh.target.prefill([seq[:-1]], taps=fresh.tap_layers)
-        L = len(seq) - 1
-        one = BatchState(rows=[RowState(request=row.request, position=L)], cache=cache, last_tokens=mx.array([seq[-1]], dtype=mx.int32),
-                         hidden=hid, positions=mx.array([L], dtype=mx.int32), fwd_tokens=mx.array([seq[:-1]], dtype=mx.int32),
-                         fwd_positions=mx.arange(L, dtype=mx.int32)[None], taps=taps)
-        fresh.drafter.prefilled(fresh, one)
-        block = fresh.drafter.propose(fresh, one, None, 3)
-        fresh_logits, _ = fresh.drafter.model.head(fresh.drafter.last_out)
-        assert np.abs(np.array(fresh_logits[0]) - np.array(live_logits[i])).max() < 1e-3, i
-        assert np.array(block.tokens[0]).tolist() == np.array(live.tokens[i]).tolist(), i
+    assert_next_block_as_after_a_fresh_prefill(s, b.state, lambda: _kind_session("eagle3", "off"))
 
 
 def test_sampling_through_a_draft_models_tree_is_lossless():
