@@ -367,6 +367,20 @@ def test_greedy_trees_equal_target_only_for_drafters_with_caches(kind, shape):
     assert any(r.tree is not None and r.batch_size > 1 for r in log.records)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "model"])
+def test_continuous_batches_with_trees_for_drafters_with_caches(kind):
+    """Rows join and leave between tree rounds: the drafter's own cache follows."""
+    from mtpflow.engine import target_only_greedy
+
+    s = _kind_session(kind, "3,2,1", policy="fixed", batch={"policy": "continuous", "max_batch_size": 2})
+    ps = _kind_prompts(kind)
+    first = [make_request(s, ps[0], max_tokens=22, request_id="a"), make_request(s, ps[1], max_tokens=7, request_id="b")]
+    late = [make_request(s, ps[2], max_tokens=15, request_id="c"), make_request(s, ps[1][:5], max_tokens=11, request_id="d")]
+    out = drive_with_late_joiners(s, first, late, join_after=2, max_live=2)
+    for r in first + late:
+        assert out[r.id] == target_only_greedy(s.target, r.prompt, r.max_tokens, s.target.eos_ids), r.id
+
+
 def test_a_draft_model_drafting_for_itself_has_every_tree_path_accepted():
     """The target as its own draft model: the argmax path of every tree is the
     target's output, so each tree round accepts its whole depth -- also past the
