@@ -81,3 +81,37 @@ def test_softcap_is_the_plain_formula(target):
     t = TargetAdapter.__new__(TargetAdapter)
     t.softcap = cap
     np.testing.assert_allclose(np.array(t.softcapped(x)), np.array(mx.tanh(x / cap) * cap), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_tree_mask_over_earlier_tree_slots(window):
+    """``visible [B, N, T + N]``: the cache's last ``T`` slots are tree nodes an
+    earlier forward appended, seen only where ``visible`` says (and inside the
+    window by position); the slots before them are context, seen by position
+    (empty ones never)."""
+    from mtpflow.targets.cache import SlotKVCache
+
+    rng = np.random.default_rng(0)
+    B, N, T, ctx = 2, 3, 4, 9
+    c = SlotKVCache(window=window)
+    c.offset = mx.zeros((B,), dtype=mx.int32)
+    # context positions 0..8 with holes (-1), then T tree slots at depths 1, 1, 2, 2 past position 8
+    pos = np.tile(np.arange(ctx), (B, 1))
+    pos[0, 3] = pos[1, [0, 5]] = -1
+    tree_pos = np.array([9, 9, 10, 10])
+    c.update_and_fetch(mx.zeros((B, 1, ctx + T, 2)), mx.zeros((B, 1, ctx + T, 2)))
+    c.positions[:, : ctx + T] = mx.array(np.concatenate([pos, np.tile(tree_pos, (B, 1))], axis=1), dtype=mx.int32)
+    q = np.array([[11, 11, 12], [11, 11, 11]])
+    visible = rng.random((B, N, T + N)) < 0.5
+    c._tree = (mx.array(q, dtype=mx.int32), mx.array(visible))
+    got = np.array(c.make_mask(N))[:, 0]
+    assert got.shape == (B, N, ctx + T + N)
+    keys = np.concatenate([pos, np.tile(tree_pos, (B, 1)), q], axis=1)
+    for b in range(B):
+        for i in range(N):
+            for j in range(ctx + T + N):
+                k = keys[b, j]
+                want = (k >= 0 and k <= q[b, i]) if j < ctx else bool(visible[b, i, j - ctx])
+                if window is not None:
+                    want = want and k > q[b, i] - window
+                assert got[b, i, j] == want, (b, i, j)

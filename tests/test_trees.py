@@ -328,7 +328,7 @@ def test_a_chain_shaped_tree_drafts_the_chain(kind):
 
 
 def test_draft_model_cache_after_tree_rounds_equals_a_fresh_prefill():
-    """After tree rounds (side branches accepted) the draft model's next
+    """After tree rounds (drafts accepted) the draft model's next
     distribution is the one a fresh draft model gives on the whole sequence:
     no tree slot is left behind, the accepted path is read again."""
     from mtpflow.state import BatchState, RowState
@@ -382,33 +382,41 @@ def test_continuous_batches_with_trees_for_drafters_with_caches(kind):
 
 
 def test_a_draft_model_drafting_for_itself_has_every_tree_path_accepted():
-    """The target as its own draft model: the argmax path of every tree is the
-    target's output, so each tree round accepts its whole depth -- also past the
-    16-token sliding window (the subtree and chain-shaped tests
-    above check the distributions themselves)."""
-    for shape in ("3,2,2", "dynamic:3:4:4:6", "2" + ",1" * 18):
+    """The target as its own draft model: a static tree holds the argmax path,
+    which is the target's output, so each tree round accepts its whole depth in
+    every row -- in a ragged batch, with rows joining and leaving between
+    rounds (continuous batching), and past the 16-token sliding window."""
+    for shape in ("3,2,2", "2" + ",1" * 18):
         log = RoundLog()
         s = make_session("e", block_size=4, with_drafter=False, plugins=make_plugin_manager([log], autoload=False),
-                         model={"draft_kind": "model", "draft_model": str(FIXTURES / "pair_e" / "target")}, draft={"tree": shape})
-        for ids, n in zip(PROMPTS, (45, 30, 25)):
-            assert generate(s, ids, max_tokens=n).tokens == reference(s, ids, n)
+                         model={"draft_kind": "model", "draft_model": str(FIXTURES / "pair_e" / "target")},
+                         draft={"tree": shape, "policy": "fixed"}, batch={"policy": "continuous", "max_batch_size": 2})
+        first = [make_request(s, PROMPTS[0], max_tokens=45, request_id="a"), make_request(s, PROMPTS[1], max_tokens=9, request_id="b")]
+        late = [make_request(s, PROMPTS[2], max_tokens=30, request_id="c"), make_request(s, PROMPTS[1][:5], max_tokens=25, request_id="d")]
+        out = drive_with_late_joiners(s, first, late, join_after=1, max_live=2)
+        for r in first + late:
+            assert out[r.id] == reference(s, r.prompt, r.max_tokens), (shape, r.id)
         trees = [r for r in log.records if r.tree is not None]
-        assert len(trees) >= 3 and all(r.accepted == [r.drafted] for r in trees), shape
+        assert sum(r.batch_size == 2 for r in trees) >= 2, shape
+        assert all(r.accepted == [r.drafted] * r.batch_size for r in trees), shape
 
 
 def test_eagle3_cache_after_tree_rounds_equals_a_fresh_prefill():
-    """After tree rounds the EAGLE-3 drafter's cache holds exactly the accepted
-    context: the next chain's drafts and first logits equal those of a drafter
-    that prefilled the whole sequence."""
+    """After tree rounds (and a tree proposed but never committed) the EAGLE-3
+    drafter's cache holds exactly the accepted context: the next chain's drafts
+    and first logits equal those of a drafter that prefilled the whole sequence."""
     from test_eagle3 import assert_next_block_as_after_a_fresh_prefill
 
-    s = _kind_session("eagle3", "dynamic:3:4:3", policy="fixed")
+    log = RoundLog()
+    s = _kind_session("eagle3", "dynamic:3:4:3", policy="fixed", plugins=make_plugin_manager([log], autoload=False))
     b = Batcher(s)
     ps = _kind_prompts("eagle3")
     b.add([make_request(s, p, max_tokens=40, request_id=str(i)) for i, p in enumerate(ps)])
-    for _ in range(5):
+    for i in range(6):
+        if i == 3:  # a tree proposed and never committed (a round that failed after drafting)
+            s.drafter.propose_tree(s, b.state, None, TreeShape.parse("3,2,2"))
         b.step()
-    assert s.drafter.chain == 0 and s.stats.rounds >= 5
+    assert len(log.records) == 6 and all(r.tree == "dynamic:3x4x3" and r.batch_size == 3 for r in log.records)
     assert_next_block_as_after_a_fresh_prefill(s, b.state, lambda: _kind_session("eagle3", "off"))
 
 
@@ -425,4 +433,5 @@ def test_seeded_sampling_through_trees_of_drafters_with_caches(kind):
     alone = load_session(load_config(overrides={"model": {"model": str(s.target.path)}, "draft": {"block_size": 1}}))
     for ids in _kind_prompts(kind)[:2]:
         assert generate(s, ids, max_tokens=20, sampling=sp).tokens == generate(alone, ids, max_tokens=20, sampling=sp).tokens
-    assert s.stats.rounds < 19 or kind == "eagle3"  # the draft model's trees accept some sampled tokens
+    if kind == "model":  # its trees accept sampled tokens (the random EAGLE-3 fixture's never do)
+        assert s.stats.accepted_tokens > 0

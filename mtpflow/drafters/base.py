@@ -150,8 +150,8 @@ class TreeBuilder:
         """``lp [B, F, V]``: log-probabilities of each frontier node's
         children over ``V`` choices (``F = 1`` with a larger frontier: one
         distribution shared by every node, as a block drafter's depth);
-        ``ids``: the token of each choice, broadcastable to ``lp`` (default:
-        the choice's index).  Returns ``(tokens [B, m], parent [B, m])``: each
+        ``ids``: the token of each choice, ``[B, F or 1, V]`` like ``lp``
+        (default: the choice's index).  Returns ``(tokens [B, m], parent [B, m])``: each
         candidate's token and its parent's frontier slot."""
         import mlx.core as mx
 

@@ -22,6 +22,12 @@ host synchronisation inside; it
 
 Drafts are chosen by argmax (``DraftBlock.probs`` is ``None``: the rejection
 sampler verifies them with a one-hot ``q``, which keeps sampling lossless).
+
+:meth:`DraftModelDrafter.propose_tree` drafts a tree instead: after the same
+catch-up, one forward per depth over the whole frontier (the adapter's
+``forward_tree``, each node seeing the context and its own ancestors' slots);
+:meth:`~DraftModelDrafter.commit` then drops every tree slot, and the next
+catch-up reads the accepted path with the bonus token.
 """
 
 from __future__ import annotations

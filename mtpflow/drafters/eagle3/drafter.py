@@ -148,12 +148,18 @@ class Eagle3Drafter:
         mx.async_eval(cache.keys, cache.values, last)
         self.rows.add([r.request for r in state.rows], [cache], {"last_out": last})
 
-    def commit(self, session, state, accepted) -> None:
-        """After a verify: drop the block's chain, take in the accepted pairs."""
-        self.rows.sync(state.rows)
+    def _drop_chain(self) -> None:
+        """Drop the last proposal's chain (or tree) slots, the last ``chain``
+        of every row, before the rows change: a proposal never committed (a
+        round that failed after drafting) leaves them behind."""
         if self.chain:
             self.cache.trim(self.chain)
             self.chain = 0
+
+    def commit(self, session, state, accepted) -> None:
+        """After a verify: drop the block's chain, take in the accepted pairs."""
+        self._drop_chain()
+        self.rows.sync(state.rows)
         counts = mx.array(accepted.counts, dtype=mx.int32)
         k1 = state.fwd_tokens.shape[1]
         rel = mx.arange(k1, dtype=mx.int32)[None]
@@ -171,6 +177,7 @@ class Eagle3Drafter:
         B = state.size
         if n_draft <= 0:
             return DraftBlock(tokens=mx.zeros((B, 0), mx.int32), n_draft=0)
+        self._drop_chain()
         self.rows.sync(state.rows)
         m, layer = self.model, self.model.layer
         logits, h = m.head(self.last_out)
@@ -198,6 +205,7 @@ class Eagle3Drafter:
         context and to its own ancestors' slots only, so every node's
         distribution is the one a chain through its path would give."""
         B = state.size
+        self._drop_chain()
         self.rows.sync(state.rows)
         m, layer, cache = self.model, self.model.layer, self.cache
         grow = TreeBuilder(shape, B)
