@@ -98,6 +98,18 @@ def reference(session, ids, n):
     return _references[key]
 
 
+def run_requests(s, prompts, max_tokens, ids=None):
+    """Decode ``prompts`` together (``max_tokens``: one per prompt) through
+    ``generate_stream``; returns ``(requests, {id: tokens})``."""
+    from mtpflow.engine import generate_stream, make_request
+
+    reqs = [make_request(s, p, max_tokens=m, request_id=(ids[i] if ids else str(i))) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    out = {r.id: [] for r in reqs}
+    for ev in generate_stream(s, reqs):
+        out[ev.request_id].extend(ev.tokens)
+    return reqs, out
+
+
 def drive_with_late_joiners(session, first, late, join_after, max_live=None):
     """Decode ``first`` with a :class:`~mtpflow.engine.Batcher`; ``late``
     requests arrive after ``join_after`` steps.  Returns ``{id: tokens}``;

@@ -5,10 +5,11 @@ import shutil
 
 import pytest
 from conftest import FIXTURES, RoundLog, drive_with_late_joiners, make_session, prompt, reference
+from conftest import run_requests as run
 
 from mtpflow.drafters.draft_model import DraftModelDrafter, DraftModelError, check_tokenizers
 from mtpflow.drafters.ngram import NgramDrafter, _RowIndex
-from mtpflow.engine import LoadError, generate_stream, make_request
+from mtpflow.engine import LoadError, make_request
 from mtpflow.plugins import make_plugin_manager
 
 TARGET = FIXTURES / "pair_e" / "target"
@@ -44,14 +45,6 @@ def session_for(name):
 
 def ref(s, prompt, n):
     return reference(s, prompt, n)
-
-
-def run(s, prompts, max_tokens, ids=None):
-    reqs = [make_request(s, p, max_tokens=m, request_id=(ids[i] if ids else str(i))) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    out = {r.id: [] for r in reqs}
-    for ev in generate_stream(s, reqs):
-        out[ev.request_id].extend(ev.tokens)
-    return reqs, out
 
 
 @pytest.mark.parametrize("name", list(KINDS))

@@ -11,12 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import drive_with_late_joiners
+from conftest import drive_with_late_joiners, run_requests
 
 from mtpflow import hookimpl
 from mtpflow.config import load_config
 from mtpflow.drafters.eagle3.config import check_compatible
-from mtpflow.engine import LoadError, generate_stream, load_session, make_request, target_only_greedy
+from mtpflow.engine import LoadError, load_session, make_request, target_only_greedy
 from mtpflow.errors import IncompatibleDrafter
 from mtpflow.plugins import make_plugin_manager
 from mtpflow.state import AcceptResult, BatchState, RowState
@@ -130,11 +130,7 @@ def _prompts():
 @pytest.mark.parametrize("drafter", ["drafter_default", "drafter_train"])
 def test_greedy_equals_target_only_at_every_block_size_and_in_ragged_batches(drafter, block):
     s = session(drafter, block=block)
-    ps, ms = _prompts(), [24, 13, 19]
-    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(ps, ms))]
-    out = {r.id: [] for r in reqs}
-    for ev in generate_stream(s, reqs):
-        out[ev.request_id].extend(ev.tokens)
+    reqs, out = run_requests(s, _prompts(), [24, 13, 19])
     for r in reqs:
         assert out[r.id] == target_only_greedy(s.target, r.prompt, r.max_tokens, s.target.eos_ids), (block, r.id)
     if block > 1:

@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, ModelFreeDrafter, RoundLog, drive_with_late_joiners, make_session, reference
+from conftest import FIXTURES, ModelFreeDrafter, RoundLog, drive_with_late_joiners, make_session, reference, run_requests
 
 from mtpflow import hookimpl
 from mtpflow.engine import Batcher, generate, make_request
@@ -355,13 +355,7 @@ def test_greedy_trees_equal_target_only_for_drafters_with_caches(kind, shape):
 
     log = RoundLog()
     s = _kind_session(kind, shape, plugins=make_plugin_manager([log], autoload=False), batch={"max_batch_size": 3})
-    ps, ms = _kind_prompts(kind), [24, 13, 30]
-    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(ps, ms))]
-    out = {r.id: [] for r in reqs}
-    from mtpflow.engine import generate_stream
-
-    for ev in generate_stream(s, reqs):
-        out[ev.request_id].extend(ev.tokens)
+    reqs, out = run_requests(s, _kind_prompts(kind), [24, 13, 30])
     for r in reqs:
         assert out[r.id] == target_only_greedy(s.target, r.prompt, r.max_tokens, s.target.eos_ids), (shape, r.id)
     assert any(r.tree is not None and r.batch_size > 1 for r in log.records)
