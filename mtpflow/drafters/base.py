@@ -146,9 +146,9 @@ class TreeBuilder:
         self.n = 0
         self.levels: tuple[list, list, list, list] = ([], [], [], [])
 
-    def expand(self, d: int, lp, ids=None):
-        """``lp [B, F, V]``: log-probabilities of each frontier node's
-        children over ``V`` choices (``F = 1`` with a larger frontier: one
+    def expand(self, d: int, logits, ids=None):
+        """``logits [B, F, V]``: each frontier node's children's draft logits
+        over ``V`` choices (``F = 1`` with a larger frontier: one
         distribution shared by every node, as a block drafter's depth);
         ``ids``: the token of each choice, ``[B, F or 1, V]`` like ``lp``
         (default: the choice's index).  Returns ``(tokens [B, m], parent [B, m])``: each
@@ -158,6 +158,8 @@ class TreeBuilder:
         shape, B = self.shape, self.B
         F = self.cum.shape[1]
         b = shape.branching[0] if shape.width is not None else shape.branching[d]
+        lg = logits.astype(mx.float32)
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
         if lp.shape[1] == 1 and F > 1:  # one distribution for the whole frontier: rank it once
             top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]
             top_lp = mx.broadcast_to(mx.take_along_axis(lp, top, axis=-1), (B, F, b))

@@ -260,8 +260,8 @@ class DraftModelDrafter:
     def _catch_up(self, session, state):
         """Bring the cache up to each row's last token (rows joined or left,
         the tokens emitted since the last round); returns the draft model's
-        log-probabilities for the first draft ``[B, V]`` and each row's
-        position of it ``[B]``."""
+        logits for the first draft ``[B, V]`` and each row's position of it
+        ``[B]``."""
         target = self.model
         self._rollback()
         self._sync_rows(state)
@@ -316,11 +316,11 @@ class DraftModelDrafter:
         B = state.size
         target = self.model
         logits, nxt = self._catch_up(session, state)
-        lg = logits.astype(mx.float32)[:, None]  # [B, 1, V]: the root's children
+        lg = logits[:, None]  # [B, 1, V]: the root's children
         grow = TreeBuilder(shape, B)
         anc, appended = None, 0
         for d in range(shape.levels):
-            tok, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            tok, parent = grow.expand(d, lg)
             grow.add(d, tok, parent)
             if d == shape.levels - 1:
                 break
@@ -328,7 +328,7 @@ class DraftModelDrafter:
             anc = tree_visibility_step(anc, parent)
             pos = mx.broadcast_to((nxt + d)[:, None], (B, F))
             hidden, _ = target.forward_tree(tok.astype(mx.int32), self.cache, pos, anc, (), submit=session.submit_layers)
-            lg = target.logits(hidden).astype(mx.float32)
+            lg = target.logits(hidden)
             appended += F
         self.tail, self.tree = appended, True
         return grow.finish()

@@ -155,11 +155,10 @@ class DFlashDrafter:
         B, D = state.size, shape.levels
         if D + 1 > self.cfg.block_size:
             raise IncompatibleDrafter(f"tree depth {D} needs a block of {D + 1}, above this checkpoint's {self.cfg.block_size}")
-        lg = self._block_logits(state, D).astype(mx.float32)
-        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)  # [B, D, V]
+        lg = self._block_logits(state, D)  # [B, D, V]
         grow = TreeBuilder(shape, B)
         for d in range(D):  # every node of a depth shares that depth's distribution
-            tok, parent = grow.expand(d, lp[:, d : d + 1])
+            tok, parent = grow.expand(d, lg[:, d : d + 1])
             grow.add(d, tok, parent)
         return grow.finish()
 

@@ -210,13 +210,13 @@ class Eagle3Drafter:
         m, layer, cache = self.model, self.model.layer, self.cache
         grow = TreeBuilder(shape, B)
         logits, h = m.head(self.last_out)
-        lg = logits.astype(mx.float32)[:, None]  # [B, 1, Vd]: the root's children
+        lg = logits[:, None]  # [B, 1, Vd]: the root's children
         h = h[:, None]
         anchor = state.positions[:, None]
         context = cache.idx
         anc = None  # ancestor-or-self rows of the frontier over the tree slots appended
         for d in range(shape.levels):
-            choice, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+            choice, parent = grow.expand(d, lg)
             tok = m.to_target(choice)
             grow.add(d, tok, parent)
             if d == shape.levels - 1:
@@ -228,7 +228,6 @@ class Eagle3Drafter:
             anc = tree_visibility_step(anc, parent)
             seen = self._mask(cache.positions[:, :context], pos, mx.broadcast_to(anchor, (B, F)))
             o = layer.finish(q, keys, values, mx.concatenate([seen, anc[:, None]], axis=-1), res)
-            logits, h = m.head(o)
-            lg = logits.astype(mx.float32)
+            lg, h = m.head(o)
         self.chain = cache.idx - context
         return grow.finish()

@@ -78,8 +78,7 @@ class Gemma4AssistantDrafter:
             x = mx.concatenate([e, h.astype(e.dtype)], axis=-1)
             final, hn = self.model.step_many(x, kv, masks, mx.broadcast_to(pos[:, None], (B, F)))
             ids, lg = self.model.head_support(final)  # [B, F, S]
-            lg = lg.astype(mx.float32)
-            tok, parent = grow.expand(d, lg - mx.logsumexp(lg, axis=-1, keepdims=True), ids)
+            tok, parent = grow.expand(d, lg, ids)
             grow.add(d, tok, parent)
             h = mx.take_along_axis(hn, parent[:, :, None], axis=1)
         return grow.finish()
