@@ -143,7 +143,7 @@ class Drafter(Protocol):
     ``propose_tree(session, state, shared, shape)`` returning a tree
     :class:`DraftBlock` for a :class:`~mtpflow.state.TreeShape` (a drafter
     without it drafts chains; :class:`mtpflow.drafters.base.TreeBuilder`
-    grows one level by level from per-node log-probabilities).
+    grows one level by level from per-node draft logits).
     """
 
     model_types: tuple[str, ...]

@@ -130,7 +130,7 @@ class RowCaches:
 class TreeBuilder:
     """Grows a draft tree level by level for any drafter with per-node
     distributions: :meth:`expand` picks each level's candidates from the
-    frontier's log-probabilities (a static shape: each node's top
+    frontier's draft logits (a static shape: each node's top
     ``branching[d]``; a dynamic one: the ``width`` of highest cumulative
     log-probability among ``branching[0]`` per node), :meth:`add` records
     them as the next frontier, :meth:`finish` gives the
@@ -150,9 +150,9 @@ class TreeBuilder:
         """``logits [B, F, V]``: each frontier node's children's draft logits
         over ``V`` choices (``F = 1`` with a larger frontier: one
         distribution shared by every node, as a block drafter's depth);
-        ``ids``: the token of each choice, ``[B, F or 1, V]`` like ``lp``
-        (default: the choice's index).  Returns ``(tokens [B, m], parent [B, m])``: each
-        candidate's token and its parent's frontier slot."""
+        ``ids``: the token of each choice, ``[B, F or 1, V]`` like ``logits``
+        (default: the choice's index).  Returns ``(tokens [B, m], parent [B, m])``
+        (int32): each candidate's token and its parent's frontier slot."""
         import mlx.core as mx
 
         shape, B = self.shape, self.B
@@ -160,15 +160,11 @@ class TreeBuilder:
         b = shape.branching[0] if shape.width is not None else shape.branching[d]
         lg = logits.astype(mx.float32)
         lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-        if lp.shape[1] == 1 and F > 1:  # one distribution for the whole frontier: rank it once
-            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]
-            top_lp = mx.broadcast_to(mx.take_along_axis(lp, top, axis=-1), (B, F, b))
-        else:
-            top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]  # [B, F, b]
-            top_lp = mx.take_along_axis(lp, top, axis=-1)
+        # [B, F, b], or [B, 1, b] for a distribution the frontier shares: ranked once, broadcast
+        top = mx.argpartition(-lp, b - 1, axis=-1)[..., :b]
         tok = top if ids is None else mx.take_along_axis(ids, top, axis=-1)
-        tok = mx.broadcast_to(tok, (B, F, b)).reshape(B, F * b)
-        cum = (self.cum[:, :, None] + top_lp).reshape(B, F * b)
+        tok = mx.broadcast_to(tok, (B, F, b)).reshape(B, F * b).astype(mx.int32)
+        cum = (self.cum[:, :, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(B, F * b)
         parent = mx.broadcast_to(mx.repeat(mx.arange(F, dtype=mx.int32), b)[None], (B, F * b))
         if shape.width is not None and F * b > shape.width:  # keep the most probable candidates
             keep = mx.argpartition(-cum, shape.width - 1, axis=-1)[:, : shape.width]

@@ -318,7 +318,7 @@ class DraftModelDrafter:
         logits, nxt = self._catch_up(session, state)
         lg = logits[:, None]  # [B, 1, V]: the root's children
         grow = TreeBuilder(shape, B)
-        anc, appended = None, 0
+        anc, before = None, self.cache[0].idx
         for d in range(shape.levels):
             tok, parent = grow.expand(d, lg)
             grow.add(d, tok, parent)
@@ -327,8 +327,7 @@ class DraftModelDrafter:
             F = tok.shape[1]
             anc = tree_visibility_step(anc, parent)
             pos = mx.broadcast_to((nxt + d)[:, None], (B, F))
-            hidden, _ = target.forward_tree(tok.astype(mx.int32), self.cache, pos, anc, (), submit=session.submit_layers)
+            hidden, _ = target.forward_tree(tok, self.cache, pos, anc, (), submit=session.submit_layers)
             lg = target.logits(hidden)
-            appended += F
-        self.tail, self.tree = appended, True
+        self.tail, self.tree = self.cache[0].idx - before, True
         return grow.finish()
