@@ -28,6 +28,12 @@ class _Entry:
         self.tokens, self.layers, self.nbytes = tokens, layers, nbytes
 
 
+def _own(x: mx.array) -> mx.array:
+    """``x`` (a slice) copied into a buffer of its own (tests/test_prefix_cache.py
+    checks with MLX's memory counters that the parent is released)."""
+    return mx.contiguous(x)
+
+
 def _common(a, b) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -55,8 +61,10 @@ class PrefixCache:
         layers, nbytes = [], 0
         for c in cache:
             k, v, p = c.view()
-            k, v, p = k[row : row + 1], v[row : row + 1], p[row : row + 1]
-            p = mx.where(p < len(tokens), p, -1)  # nothing past the stored sequence
+            # copies into buffers of their own: a slice would keep the whole
+            # batch cache (every row, every spare slot) alive while counting one row
+            k, v = _own(k[row : row + 1]), _own(v[row : row + 1])
+            p = mx.where(p[row : row + 1] < len(tokens), p[row : row + 1], -1)  # nothing past the stored sequence
             mx.eval(k, v, p)
             held = frozenset(x for x in p[0].tolist() if x >= 0)
             layers.append((k, v, p, c.window, c.retain, held))

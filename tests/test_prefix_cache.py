@@ -62,3 +62,34 @@ def test_the_lru_is_bounded():
     for i in range(6):
         generate(s, [5 + i] + PROMPT[:30], max_tokens=10)
     assert 0 < len(pc.entries) < 6 and pc.bytes <= pc.max_bytes
+
+
+def test_the_cap_bounds_the_memory_really_held():
+    """An entry holds its own row, not the batch cache it was cut from: MLX's
+    active memory grows by the entries' counted bytes, within the cap."""
+    import gc
+
+    import mlx.core as mx
+
+    from mtpflow.prefix_cache import PrefixCache
+    from mtpflow.targets.cache import SlotKVCache
+
+    B, H, D, layers = 16, 2, 32, 2  # a batch row of 64 slots: 2 * (2 * 2*64*32*4 + 64*4) = 65 KiB
+    pc = PrefixCache(max_bytes=512 * 1024)
+    gc.collect()
+    before = mx.get_active_memory()
+    for i in range(12):  # each batch cache is 16 rows of 256 slots (4 MiB): 12 of them would be 48 MiB
+        T = 64 if i % 2 else 256  # a strided view of the used slots, or all of them
+        cache = []
+        for _ in range(layers):
+            c = SlotKVCache()
+            c.offset = mx.zeros((B,), dtype=mx.int32)
+            c.update_and_fetch(mx.random.normal((B, H, T, D)), mx.random.normal((B, H, T, D)))
+            cache.append(c)
+        pc.store([i] + list(range(1, T)), cache, row=i % B)
+        del cache, c
+    gc.collect()
+    held = mx.get_active_memory() - before
+    assert 0 < len(pc.entries) < 12 and pc.bytes <= pc.max_bytes
+    assert held <= pc.max_bytes + 64 * 1024, f"{held} bytes held for a cap of {pc.max_bytes}"
+    assert held >= 0.9 * pc.bytes
