@@ -970,15 +970,16 @@ def _has_media(msgs) -> bool:
     )
 
 
-def _chat_media(body: dict, session):
-    """``(prompt ids, media)`` of chat messages with image / audio parts (data URLs
-    and local files only: a remote URL is a 400, never fetched)."""
+def _chat_media(body: dict, session, policy=None):
+    """``(prompt ids, media)`` of chat messages with image / audio parts (data URLs, and
+    local files under ``policy.local_root`` only: a remote URL is a 400, never fetched;
+    images over ``policy``'s pixel limits are a 400 before they are decoded)."""
     from ._extras import MissingExtra
-    from .media import MediaError, encode_prompt_with_media, split_content_parts
+    from .media import MediaError, MediaPolicy, encode_prompt_with_media, split_content_parts
 
     try:
-        msgs, images, audio = split_content_parts(body["messages"])
-        return encode_prompt_with_media(session, msgs, images, audio)
+        msgs, images, audio = split_content_parts(body["messages"], policy)
+        return encode_prompt_with_media(session, msgs, images, audio, policy=policy or MediaPolicy())
     except (MediaError, MissingExtra) as exc:
         raise APIError(str(exc), param="messages", code="invalid_value") from None
 
@@ -1031,10 +1032,34 @@ def _served_name(cfg) -> str:
     return p.resolve().name if p.is_dir() else name
 
 
+def _scrubber(cfg, session) -> Callable[[str], str]:
+    """A function that replaces the server's own paths (the model folders, resolved or
+    not, and the home directory) in an error message: a client learns no server path."""
+    found = set()
+    for p in (cfg.model.model, cfg.model.draft_model, getattr(session.target, "path", None),
+              getattr(session.drafter, "path", None)):
+        if p is None:
+            continue
+        for form in (str(p), str(Path(p).expanduser()), os.path.realpath(Path(p).expanduser())):
+            if os.path.isabs(form) and len(form) > 1:
+                found.add(form)
+    home = os.path.expanduser("~")
+    pairs = [(f, "<model>") for f in sorted(found, key=len, reverse=True)]
+    if len(home) > 1:
+        pairs.append((home, "~"))
+
+    def scrub(message: str) -> str:
+        for path, repl in pairs:
+            message = message.replace(path, repl)
+        return message
+
+    return scrub
+
+
 def create_app(session_or_config: Any, *, served_model_name: str | None = None,
                max_context: int | None = None, max_batch_size: int | None = None, log=None,
                max_queued: int | None = None, max_body_size: int | None = None,
-               request_timeout: float | None = None, plugins=()):
+               request_timeout: float | None = None, plugins=(), media=None):
     """Build the Starlette app and start its scheduler thread (the model loads now).
 
     ``session_or_config``: a :class:`~mtpflow.config.Config` (recommended), a
@@ -1043,7 +1068,8 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
     (default :data:`DEFAULT_MAX_QUEUED`); ``max_body_size``: bytes (default
     :data:`DEFAULT_MAX_BODY_SIZE`); ``request_timeout``: the default and
     largest ``max_time`` in seconds (default: none); ``plugins``: extra plugin
-    objects for the session.  The scheduler is reachable as
+    objects for the session; ``media``: a :class:`~mtpflow.media.MediaPolicy`
+    (default: no local files, the default pixel limits).  The scheduler is reachable as
     ``app.state.scheduler``, the metrics as ``app.state.metrics``; both stop
     at the app's lifespan shutdown (or at process exit).
     """
@@ -1078,7 +1104,9 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         "created": int(time.time()),
         "max_body_size": int(max_body_size or DEFAULT_MAX_BODY_SIZE),
         "request_timeout": request_timeout,
+        "media": media,
     }
+    scrub = _scrubber(cfg, sched.session)
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtpflow-http")
     token_text = TokenText(sched.tokenizer)
 
@@ -1153,7 +1181,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         limit, mtc = app_cfg["max_context"], sched.max_token_chars
         media = None
         if chat and _has_media(body.get("messages")):
-            ids, media = _chat_media(body, sched.session)
+            ids, media = _chat_media(body, sched.session, app_cfg["media"])
         elif chat:
             ids = _chat_ids(body, sched.tokenizer, limit, mtc)
         else:
@@ -1248,7 +1276,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
                         elif kind == "error":
                             state["done"] = True
                             sched.cancel(rid)
-                            err = APIError(msg[2], type="server_error", code="generation_failed", status=500)
+                            err = APIError(scrub(msg[2]), type="server_error", code="generation_failed", status=500)
                             yield f"data: {json.dumps(err.body())}\n\n"
                             yield "data: [DONE]\n\n"
                             return
@@ -1292,7 +1320,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
                         usages.append((msg[4], msg[5]))
                 else:
                     sched.cancel(rid)
-                    raise APIError(msg[2], type="server_error", code="generation_failed", status=500)
+                    raise APIError(scrub(msg[2]), type="server_error", code="generation_failed", status=500)
         except asyncio.CancelledError:
             sched.cancel(rid)
             raise
@@ -1330,6 +1358,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             metrics.rejected.inc(status=exc.status)
             sched.log.info("request.rejected", status=exc.status, code=exc.code, param=exc.param,
                            path=request.url.path, error=exc.message[:200])
+        exc.message = scrub(exc.message)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     async def on_http_error(request, exc: HTTPException):
@@ -1416,6 +1445,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may take from arrival, queue included: the default and the ceiling "
                              "of the request field max_time (default: none)")
+    from .media import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_REQUEST_PIXELS
+
+    parser.add_argument("--allowed-local-media-path", metavar="DIR", default=None,
+                        help="let requests name local image files under DIR (absolute, relative to DIR, or file://; "
+                             "symlinks are resolved and must stay inside); default: none, images come as data: URLs")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help=f"width x height of one image, read from its header; past it 400 before decoding "
+                             f"(default {DEFAULT_MAX_IMAGE_PIXELS}, 4096 x 4096)")
+    parser.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
+                        help=f"pixels of all the images of one request (default {DEFAULT_MAX_REQUEST_PIXELS})")
+    from .serve_http import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY,
+                             DEFAULT_MAX_HEADER_SIZE)
+
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                        help=f"seconds a connection may take to send its request line and headers; then it is closed "
+                             f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE,
+                        help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_KEEP_ALIVE})")
+    parser.add_argument("--max-header-size", default=None,
+                        help=f"largest request line + headers, e.g. 16K; past it 400 (default "
+                             f"{DEFAULT_MAX_HEADER_SIZE // 1024}K)")
+    parser.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                        help=f"open connections + requests in progress past which new requests get 503; 0 = no limit "
+                             f"(default {DEFAULT_LIMIT_CONCURRENCY})")
 
 
 def serve_config_from_args(args):
@@ -1459,25 +1512,76 @@ def serve_config_from_args(args):
     return cfg
 
 
+def media_limits_from_args(args):
+    """The :class:`~mtpflow.media.MediaPolicy` of the flags, checked."""
+    from .config import ConfigError
+    from .media import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, MediaPolicy
+
+    root = getattr(args, "allowed_local_media_path", None)
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise ConfigError(f"--allowed-local-media-path {root!r} is not a directory")
+    per_image = getattr(args, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
+    per_request = getattr(args, "max_request_pixels", DEFAULT_MAX_REQUEST_PIXELS)
+    if per_image < 1 or per_request < 1:
+        raise ConfigError("--max-image-pixels and --max-request-pixels must be >= 1")
+    return MediaPolicy(local_root=root, max_image_pixels=per_image, max_request_pixels=per_request)
+
+
+def _http_limits(args) -> dict:
+    """uvicorn's limits from the flags (:func:`mtpflow.serve_http.uvicorn_config`), checked."""
+    from .config import ConfigError
+    from .serve_http import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_HEADER_SIZE
+
+    ht = getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT)
+    if not 0 < ht <= MAX_TIME:
+        raise ConfigError(f"--header-timeout must be in (0, {MAX_TIME:.0f}] seconds")
+    ka = getattr(args, "timeout_keep_alive", DEFAULT_KEEP_ALIVE)
+    if ka < 1:
+        raise ConfigError("--timeout-keep-alive must be >= 1 second")
+    lc = getattr(args, "limit_concurrency", DEFAULT_LIMIT_CONCURRENCY)
+    if lc < 0:
+        raise ConfigError("--limit-concurrency must be >= 0 (0 = no limit)")
+    size = DEFAULT_MAX_HEADER_SIZE
+    if getattr(args, "max_header_size", None):
+        try:
+            size = parse_size(args.max_header_size)
+        except ValueError as exc:
+            raise ConfigError(f"--max-header-size: {exc}") from None
+    return {"header_timeout": ht, "timeout_keep_alive": ka, "limit_concurrency": lc or None,
+            "max_header_size": size}
+
+
 def run_serve(args) -> int:
-    """``mtpflow serve``: load the model and serve until interrupted."""
+    """``mtpflow serve``: check the flags, bind the address, load the model and serve until interrupted."""
     from ._extras import require
 
     require("serve", "starlette", "uvicorn")
-    import uvicorn
-
     import logging
 
     from .logs import enable_console
+    from .serve_http import bind, serve, uvicorn_config
 
     enable_console(getattr(logging, args.log_level.upper()))
     cfg = serve_config_from_args(args)
-    app = create_app(cfg, served_model_name=args.served_model_name, max_context=args.max_context,
-                     max_queued=getattr(args, "max_queued", None),
-                     max_body_size=parse_size(args.max_body_size) if getattr(args, "max_body_size", None) else None,
-                     request_timeout=getattr(args, "request_timeout", None))
-    print(f"mtpflow: serving {app.state.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.log_level != "warning" else "warning")
+    limits = _http_limits(args)
+    media = media_limits_from_args(args)
+    sock = bind(args.host, args.port)  # a bad or busy address fails now, not after the model loaded
+    try:
+        app = create_app(cfg, served_model_name=args.served_model_name, max_context=args.max_context,
+                         max_queued=getattr(args, "max_queued", None),
+                         max_body_size=parse_size(args.max_body_size) if getattr(args, "max_body_size", None) else None,
+                         request_timeout=getattr(args, "request_timeout", None), media=media)
+    except BaseException:
+        sock.close()
+        raise
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    name = app.state.served_model_name
+
+    def listening(port: int) -> None:
+        print(f"mtpflow: serving {name!r} on http://{host}:{port}/v1", flush=True)
+
+    serve(uvicorn_config(app, log_level="info" if args.log_level != "warning" else "warning", **limits), sock,
+          listening)
     return 0
 
 

@@ -323,3 +323,30 @@ def test_split_content_parts_media_only_in_user_messages():
     url = data_url(F.image("gradient.png"))
     with pytest.raises(MediaError, match="go in user messages"):
         split_content_parts([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+
+
+def test_the_server_policy_checks_sources_and_pixels_before_decoding(spec, monkeypatch):
+    """The server's MediaPolicy: local files only under the allowed directory, and an image
+    over the pixel limits is refused from its header, before any decoding."""
+    import mlx_vlm.utils
+    from test_server_media import data_url as png_url
+    from test_server_media import png
+
+    from mtpflow.media import MediaError, MediaPolicy, encode_prompt_with_media
+
+    c = REF["gradient"]
+    image = Path(F.image("gradient.png"))
+    ids, _ = encode_prompt_with_media(spec, c["prompt"], [str(image)], policy=MediaPolicy(local_root=image.parent))
+    assert ids == c["prompt_ids"]
+
+    def no_decoding(*a, **kw):
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(mlx_vlm.utils, "load_image", no_decoding)
+    with pytest.raises(MediaError, match="allowed-local-media-path"):
+        encode_prompt_with_media(spec, c["prompt"], [str(image)], policy=MediaPolicy())
+    with pytest.raises(MediaError, match="81000000 pixels.*--max-image-pixels"):
+        encode_prompt_with_media(spec, c["prompt"], [png_url(png(9000, 9000))], policy=MediaPolicy())
+    with pytest.raises(MediaError, match="--max-request-pixels"):
+        encode_prompt_with_media(spec, c["prompt"], [png_url(png(64, 64))] * 2,
+                                 policy=MediaPolicy(max_request_pixels=64 * 64 + 1))

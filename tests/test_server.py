@@ -839,3 +839,28 @@ def test_logprobs_with_draft_trees_equal_target_only():
     assert t1 == t2 and None not in e1
     assert [e[0] for e in e1] == pytest.approx([e[0] for e in e2], abs=2e-4)
     assert [[i for i, _ in e[1]] for e in e1] == [[i for i, _ in e[1]] for e in e2]
+
+
+# --------------------------------------------------------------------------------------
+# hardening: local files, server paths in errors
+# --------------------------------------------------------------------------------------
+def test_image_paths_get_one_answer_and_no_server_path(server, tmp_path):
+    """No existence oracle: an existing file, a missing one, /etc/passwd and a data URL on this
+    text-only target are refused; the local ones with one identical message; no server path."""
+    real = tmp_path / "cat.png"
+    real.write_bytes(b"\x89PNG")
+
+    def ask(url):
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+        return _error(_post(server, {"model": MODEL, "messages": msgs, "max_tokens": 2}, "/v1/chat/completions"))
+
+    local = [ask(u)["message"] for u in (str(real), f"file://{real}", str(tmp_path / "missing.png"), "/etc/passwd",
+                                         "../etc/passwd", str(PAIR / "target" / "config.json"))]
+    assert len(set(local)) == 1 and "allowed-local-media-path" in local[0], local
+    from test_server_media import data_url, png
+
+    text_only = ask(data_url(png(2, 2)))["message"]
+    assert "no vision or audio tower" in text_only
+    for msg in local + [text_only]:
+        assert str(PAIR) not in msg and str(PAIR.resolve()) not in msg and str(tmp_path) not in msg, msg
