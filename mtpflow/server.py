@@ -792,9 +792,11 @@ class _Params:
     pass
 
 
-def _response_format(body: dict) -> str | None:
+def _response_format(body: dict, structured_error: Callable[[], str | None] = lambda: None) -> str | None:
     """The llguidance grammar of ``response_format`` (``json_object``,
-    ``json_schema``, and the extensions ``regex`` / ``grammar`` (Lark)), or None."""
+    ``json_schema``, and the extensions ``regex`` / ``grammar`` (Lark)), or None.
+    ``structured_error()``: why this server's tokenizer cannot constrain output
+    (None when it can), asked only when a grammar is requested."""
     rf = body.get("response_format")
     if rf is None:
         return None
@@ -803,37 +805,41 @@ def _response_format(body: dict) -> str | None:
     kind = rf["type"]
     if kind == "text":
         return None
+    if kind not in ("json_object", "json_schema", "regex", "grammar"):
+        raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, regex, "
+                       "grammar)", param="response_format", code="invalid_value")
     from ._extras import MissingExtra
     from .structured import grammar
 
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        spec = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict):
+            raise APIError("'response_format.json_schema.schema' must be an object", param="response_format",
+                           code="invalid_type")
+    elif kind in ("regex", "grammar"):
+        spec = rf.get(kind)
+        if not isinstance(spec, str) or not spec:
+            raise APIError(f"'response_format.{kind}' must be a non-empty string", param="response_format",
+                           code="invalid_type")
     try:
-        if kind == "json_object":
-            return grammar("json", None)
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise APIError("'response_format.json_schema.schema' must be an object", param="response_format",
-                               code="invalid_type")
-            return grammar("json_schema", schema)
-        if kind in ("regex", "grammar"):
-            spec = rf.get(kind)
-            if not isinstance(spec, str) or not spec:
-                raise APIError(f"'response_format.{kind}' must be a non-empty string", param="response_format",
-                               code="invalid_type")
-            return grammar("regex" if kind == "regex" else "lark", spec)
+        g = grammar({"json_object": "json", "grammar": "lark"}.get(kind, kind), None if kind == "json_object" else spec)
     except MissingExtra as exc:
         raise APIError(f"response_format needs structured output on this server: {exc}", param="response_format",
                        code="unsupported") from None
     except ValueError as exc:
-        raise APIError(f"response_format: {exc}", param="response_format", code="invalid_value") from None
-    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, regex, grammar)",
-                   param="response_format", code="invalid_value")
+        one_line = " ".join(str(exc).split())
+        raise APIError(f"response_format: {one_line}", param="response_format", code="invalid_value") from None
+    why = structured_error()
+    if why is not None:
+        raise APIError(f"response_format is not available with this model: {why}", param="response_format",
+                       code="unsupported")
+    return g
 
 
 def _parse_common(body: dict, app_cfg: dict, chat: bool) -> _Params:
     p = _Params()
-    p.grammar = _response_format(body)
+    p.grammar = _response_format(body, app_cfg.get("structured_error", lambda: None))
     model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
     if model is not None and model != app_cfg["served_model_name"]:
         raise APIError(f"the model '{model}' does not exist; this server serves '{app_cfg['served_model_name']}'",
@@ -1032,6 +1038,31 @@ def _served_name(cfg) -> str:
     return p.resolve().name if p.is_dir() else name
 
 
+def _structured_probe(sched: Scheduler) -> Callable[[], str | None]:
+    """``probe()``: why this model's tokenizer cannot constrain output (llguidance
+    needs to map its tokens to bytes), or None; found out once, at the first
+    request with a ``response_format``, and remembered."""
+    lock, seen = threading.Lock(), []
+
+    def probe() -> str | None:
+        with lock:
+            if not seen:
+                why = None
+                if sched.tokenizer is None:
+                    why = "it has no tokenizer"
+                else:
+                    from .structured import GrammarMasks
+
+                    try:
+                        GrammarMasks(sched.tokenizer, sched.vocab_size, sched.eos_ids)
+                    except Exception as exc:  # e.g. a tokenizer without a byte decoder
+                        why = f"llguidance cannot read its tokenizer ({type(exc).__name__}: {exc})"
+                seen.append(why)
+            return seen[0]
+
+    return probe
+
+
 def _scrubber(cfg, session) -> Callable[[str], str]:
     """A function that replaces the server's own paths (the model folders, resolved or
     not, and the home directory) in an error message: a client learns no server path."""
@@ -1107,6 +1138,7 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         "media": media,
     }
     scrub = _scrubber(cfg, sched.session)
+    app_cfg["structured_error"] = _structured_probe(sched)
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mtpflow-http")
     token_text = TokenText(sched.tokenizer)
 

@@ -864,3 +864,17 @@ def test_image_paths_get_one_answer_and_no_server_path(server, tmp_path):
     assert "no vision or audio tower" in text_only
     for msg in local + [text_only]:
         assert str(PAIR) not in msg and str(PAIR.resolve()) not in msg and str(tmp_path) not in msg, msg
+
+
+def test_response_format_without_a_byte_decoder_is_a_400(server, client):
+    """This target's tokenizer has no byte decoder: llguidance cannot constrain it, decided at validation."""
+    pytest.importorskip("llguidance")
+    for rf in ({"type": "json_object"}, {"type": "regex", "regex": "[ab]+"}):
+        for path, extra in (("/v1/completions", {"prompt": PROMPT}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "beca"}]})):
+            err = _error(_post(server, {"model": MODEL, "max_tokens": 4, "response_format": rf, **extra}, path))
+            assert err["param"] == "response_format" and err["code"] == "unsupported", err
+            assert "not available with this model" in err["message"]
+    err = _error(_post(server, {"model": MODEL, "prompt": PROMPT, "response_format": {"type": "regex", "regex": "("}}))
+    assert err["code"] == "invalid_value"  # a broken grammar is still named as such
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
