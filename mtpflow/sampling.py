@@ -11,7 +11,10 @@ distribution and for verification, so every path sees the same distribution:
 
 1. logit bias (dense ``[B, V]`` built once from each row's ``logit_bias``),
 2. repetition penalty (HF semantics: tokens present in the row's context get
-   ``x / r`` if ``x > 0`` else ``x * r``),
+   ``x / r`` if ``x > 0`` else ``x * r``), then OpenAI's frequency and presence
+   penalties over the tokens the row generated (``x - count * frequency -
+   (count > 0) * presence``); while verifying, position ``l`` also counts the
+   drafts before it (:func:`token_counts`), as target-only decoding would,
 3. temperature (greedy rows, ``temperature <= 0``, are turned into a one-hot
    distribution at the argmax of the logits after steps 1-2),
 4. top-k (``0`` = disabled; ties with the k-th value are kept, as in HF),
@@ -55,6 +58,7 @@ __all__ = [
     "ProcessParams",
     "process_logits",
     "presence_mask",
+    "token_counts",
     "greedy_accept",
     "rejection_accept",
     "sample",
@@ -91,6 +95,8 @@ class ProcessParams:
     min_p: Any = array_field()  # [B] float32 in [0, 1]
     repetition_penalty: Any = array_field()  # [B] float32 > 0
     bias: Any = array_field(default=None)  # [B, V] float32 or None
+    frequency_penalty: Any = array_field(default=None)  # [B] float32, or None when no row has one
+    presence_penalty: Any = array_field(default=None)  # [B] float32, or None when no row has one
     any_greedy: bool = False
     all_greedy: bool = False
     use_temperature: bool = False
@@ -98,6 +104,8 @@ class ProcessParams:
     use_top_p: bool = False
     use_min_p: bool = False
     use_repetition: bool = False
+    #: a row has a frequency or presence penalty (they count the completion's tokens)
+    use_penalties: bool = False
     #: how many of the largest values the top-k / top-p filters need: the
     #: largest top-k of the sampling rows when every one has a top-k of at
     #: most V / 4 (found with ``mx.topk``, no full sort), else V (a full sort)
@@ -107,6 +115,11 @@ class ProcessParams:
     @property
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
+
+    @property
+    def reads_context(self) -> bool:
+        """Whether processing reads the rows' tokens (a repetition, frequency or presence penalty)."""
+        return self.use_repetition or self.use_penalties
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingParams], vocab_size: int) -> ProcessParams:
@@ -148,6 +161,9 @@ class ProcessParams:
                         raise ValueError(f"logit_bias token {tok} outside vocab of {V}")
                     dense[b, tok] += float(val)
             bias = mx.array(dense)
+        freq = [float(r.frequency_penalty) for r in rows]
+        pres = [float(r.presence_penalty) for r in rows]
+        use_penalties = any(freq) or any(pres)
         # Greedy rows ignore the sampling filters: the static flags reflect
         # only sampling rows.
         samp = [not g for g in greedy_rows]
@@ -161,6 +177,8 @@ class ProcessParams:
             min_p=mx.array(min_p, dtype=mx.float32),
             repetition_penalty=mx.array(rep, dtype=mx.float32),
             bias=bias,
+            frequency_penalty=mx.array(freq, dtype=mx.float32) if use_penalties else None,
+            presence_penalty=mx.array(pres, dtype=mx.float32) if use_penalties else None,
             any_greedy=any(greedy_rows),
             all_greedy=all(greedy_rows),
             use_temperature=any(s and t != 1.0 for s, t in zip(samp, temps)),
@@ -168,41 +186,52 @@ class ProcessParams:
             use_top_p=any(s and p < 1.0 for s, p in zip(samp, top_p)),
             use_min_p=any(s and m > 0.0 for s, m in zip(samp, min_p)),
             use_repetition=any(r != 1.0 for r in rep),
+            use_penalties=use_penalties,
             candidates=k_max if 4 * k_max <= V else V,
             seeds=tuple(r.seed for r in rows),
         )
 
 
-def presence_mask(context: Any, vocab_size: int, appended: Any = None, length: int = 1) -> mx.array:
-    """Which tokens occur in each row's context, per position: ``[B, L, V]`` bool.
+def token_counts(context: Any, vocab_size: int, appended: Any = None, length: int = 1, start: Any = None) -> mx.array:
+    """How often each token occurs in each row's context, per position: ``[B, L, V]`` float32.
 
-    ``context`` is ``[B, T]`` int, padded with ``-1`` (ignored).  ``appended``
+    ``context`` is ``[B, T]`` int, padded with ``-1`` (ignored); ``start``
+    (optional ``[B]`` int) counts only columns ``>= start[b]`` of row ``b``
+    (the completion's tokens after a prompt of that length).  ``appended``
     (optional, ``[B, L-1]``) are tokens that follow the context inside the
     block being scored -- the draft tokens during verification: position
-    ``l`` sees ``context`` plus ``appended[:, :l]``.  Without ``appended`` all
+    ``l`` also counts ``appended[:, :l]``.  Without ``appended`` all
     ``length`` positions see the same context.
     """
     V = int(vocab_size)
     ctx = mx.array(context).astype(mx.int32)
-    B = ctx.shape[0]
     if ctx.ndim != 2:
         raise ValueError(f"context must be [B, T], got shape {ctx.shape}")
-    # Padding (-1, or anything out of range) goes to an extra dropped column.
-    idx = mx.where((ctx >= 0) & (ctx < V), ctx, V)
+    B, T = ctx.shape
+    # Padding (-1, or anything out of range) and columns before start go to an extra dropped column.
+    valid = (ctx >= 0) & (ctx < V)
+    if start is not None:
+        valid = valid & (mx.arange(T, dtype=mx.int32)[None] >= mx.array(start).astype(mx.int32)[:, None])
     base = mx.zeros((B, V + 1), dtype=mx.float32)
-    if ctx.shape[1] > 0:
-        base = mx.put_along_axis(base, idx, mx.ones(idx.shape, dtype=mx.float32), axis=1)
-    base = base[:, :V] > 0  # [B, V]
+    if T > 0:
+        idx = mx.where(valid, ctx, V)
+        base = base.at[mx.arange(B, dtype=mx.int32)[:, None], idx].add(mx.ones(idx.shape, dtype=mx.float32))
+    base = base[:, :V]  # [B, V]
     if appended is None:
         return mx.broadcast_to(base[:, None, :], (B, length, V))
     app = mx.array(appended).astype(mx.int32)  # [B, L-1]
-    Lm1 = app.shape[1]
-    if Lm1 == 0:
+    if app.shape[1] == 0:
         return base[:, None, :]
-    onehot = app[:, :, None] == mx.arange(V, dtype=mx.int32)[None, None, :]  # [B, L-1, V]
-    cum = mx.cumsum(onehot.astype(mx.int32), axis=1) > 0  # position l+1 sees app[:, :l+1]
-    extra = mx.concatenate([mx.zeros((B, 1, V), dtype=mx.bool_), cum], axis=1)  # [B, L, V]
-    return base[:, None, :] | extra
+    onehot = (app[:, :, None] == mx.arange(V, dtype=mx.int32)[None, None, :]).astype(mx.float32)  # [B, L-1, V]
+    cum = mx.cumsum(onehot, axis=1)  # position l+1 counts app[:, :l+1]
+    extra = mx.concatenate([mx.zeros((B, 1, V), dtype=mx.float32), cum], axis=1)  # [B, L, V]
+    return base[:, None, :] + extra
+
+
+def presence_mask(context: Any, vocab_size: int, appended: Any = None, length: int = 1) -> mx.array:
+    """Which tokens occur in each row's context, per position: ``[B, L, V]`` bool
+    (:func:`token_counts` ``> 0``; the same arguments)."""
+    return token_counts(context, vocab_size, appended=appended, length=length) > 0
 
 
 def process_logits(
@@ -210,6 +239,7 @@ def process_logits(
     params: ProcessParams,
     context: Any = None,
     appended: Any = None,
+    completion_start: Any = None,
 ) -> mx.array:
     """Processed log-probabilities ``[B, L, V]`` (``-inf`` for removed tokens).
 
@@ -219,6 +249,10 @@ def process_logits(
     ``[B, L-1]`` tokens inside the scored block (the drafts when verifying
     ``[last, d_1..d_k]``), so position ``l``'s penalty also counts
     ``d_1..d_l`` -- exactly what target-only decoding would have seen.
+    ``completion_start``: ``[B]`` int, the column of ``context`` where each
+    row's completion begins (its prompt length): the frequency and presence
+    penalties count only the completion's tokens, as OpenAI's do (default 0:
+    the whole context).
 
     Greedy rows (``temperature <= 0``) get a one-hot distribution (``0`` at
     the argmax of the biased/penalised logits, ``-inf`` elsewhere), so
@@ -242,14 +276,18 @@ def process_logits(
     # 1. logit bias
     if params.bias is not None:
         x = x + params.bias[:, None, :]
-    # 2. repetition penalty
-    if params.use_repetition and (context is not None or appended is not None):
+    # 2. repetition penalty, then frequency and presence penalties
+    if params.reads_context and (context is not None or appended is not None):
         if context is None:
             context = mx.zeros((B, 0), dtype=mx.int32)
-        present = presence_mask(context, V, appended=appended, length=L)
-        r = col(params.repetition_penalty)
-        penalised = mx.where(x > 0, x / r, x * r)
-        x = mx.where(present, penalised, x)
+        if params.use_repetition:
+            present = presence_mask(context, V, appended=appended, length=L)
+            r = col(params.repetition_penalty)
+            penalised = mx.where(x > 0, x / r, x * r)
+            x = mx.where(present, penalised, x)
+        if params.use_penalties:
+            counts = token_counts(context, V, appended=appended, length=L, start=completion_start)
+            x = x - col(params.frequency_penalty) * counts - col(params.presence_penalty) * (counts > 0)
 
     if params.all_greedy:
         out = _one_hot_logprobs(x)

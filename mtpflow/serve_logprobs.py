@@ -2,7 +2,7 @@
 
 What is reported is the **target's processed distribution** at each emitted
 position -- the distribution the token was chosen from: the target's logits
-after the configured logits processors, logit bias and repetition penalty,
+after the configured logits processors, logit bias and the repetition, frequency and presence penalties,
 then (sampled requests) temperature, top-k, top-p and min-p, as a
 log-softmax (tokens a filter removed have probability 0 and are never
 listed).  A greedy request (temperature 0) reports the same distribution at
@@ -56,12 +56,13 @@ def processed_logprobs(session, rows, logits, drafts=None, prefill: bool = False
     sampling_of = getattr(sampler, "sampling_of", None) or (lambda r: r.request.sampling)
     V = int(logits.shape[-1])
     params = ProcessParams.from_rows([_reporting_params(sampling_of(r)) for r in rows], V)
-    context = None
-    if params.use_repetition:
+    context = starts = None
+    if params.reads_context:
         ctx = [list(r.request.prompt) + ([] if prefill else list(r.generated)) for r in rows]
         T = max(len(c) for c in ctx)
         context = mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32)
-    return process_logits(logits, params, context, appended=drafts)
+        starts = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32)
+    return process_logits(logits, params, context, appended=drafts, completion_start=starts)
 
 
 def _gather(lp, tokens, top: int):

@@ -40,6 +40,10 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(factory=dict)
+    #: OpenAI's penalties over the completion's tokens: ``logits[t] -= count(t) *
+    #: frequency_penalty + (count(t) > 0) * presence_penalty``
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     #: structured output: an llguidance grammar (:func:`mtpflow.structured.grammar`
     #: from a JSON schema, a regex or a Lark grammar); every token obeys it

@@ -145,11 +145,11 @@ class RejectionSampler(_Processors):
         """Trees need processing that does not read the drafts' history
         (configured processors and repetition penalties see a chain)."""
         self._sync(state.rows)
-        return not self.processors and not self.params.use_repetition and not self._constrained(state.rows)
+        return not self.processors and not self.params.reads_context and not self._constrained(state.rows)
 
     def lookahead_safe(self, state) -> bool:
         """As :meth:`supports_trees`: noise keyed by position needs no host
-        state, repetition penalties and processors read the tokens."""
+        state, penalties and processors read the tokens."""
         return self.supports_trees(state)
 
     def sampling_of(self, row):
@@ -181,13 +181,16 @@ class RejectionSampler(_Processors):
             self.prepare(rows, self.params.vocab_size)
 
     def _context(self, rows):
+        """``(context, completion_start)`` of the rows for the penalties (see
+        :func:`mtpflow.sampling.process_logits`), or ``(None, None)``."""
         import mlx.core as mx
 
-        if not self.params.use_repetition:
-            return None
+        if not self.params.reads_context:
+            return None, None
         ctx = [list(r.request.prompt) + list(r.generated) for r in rows]
         T = max(len(c) for c in ctx)
-        return mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32)
+        starts = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32) if self.params.use_penalties else None
+        return mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32), starts
 
     def first(self, logits, state):
         import mlx.core as mx
@@ -197,9 +200,10 @@ class RejectionSampler(_Processors):
         rows = self.rows if state is None else state.rows
         self._sync(rows)
         logits = self._pre(logits, rows)
-        if self.params.all_greedy and self._context(rows) is None:
+        if self.params.all_greedy and not self.params.reads_context:
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # no randomness needed
-        lp = process_logits(logits, self.params, self._context(rows))
+        context, starts = self._context(rows)
+        lp = process_logits(logits, self.params, context, completion_start=starts)
         # the first generated token sits right after the prompt
         positions = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32)
         return coupled_sample(lp, self._keys(rows), positions)
@@ -222,11 +226,12 @@ class RejectionSampler(_Processors):
                 samples = coupled_sample(lp, self._keys(state.rows), state.positions[:, None] + depth + 1)
             return _tree_result(state, draft, samples)
         logits = self._pre(logits, state.rows, draft.tokens)
-        if self.params.all_greedy and self._context(state.rows) is None:
+        if self.params.all_greedy and not self.params.reads_context:
             # greedy rows need no randomness and no vocab-sized one-hots
             counts, tokens = greedy_accept(logits, draft.tokens, draft.active)
         else:
-            lp = process_logits(logits, self.params, self._context(state.rows), appended=draft.tokens)
+            context, starts = self._context(state.rows)
+            lp = process_logits(logits, self.params, context, appended=draft.tokens, completion_start=starts)
             if draft.probs is None:
                 positions = state.positions[:, None] + 1 + mx.arange(draft.n_draft + 1, dtype=mx.int32)[None]
                 counts, tokens = coupled_accept(lp, draft.tokens, self._keys(state.rows), positions, draft.active)
