@@ -152,8 +152,9 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 def _encode(session, text: str, chat: bool | None, system: str | None) -> list[int]:
     """``chat``: ``None`` = the chat template when the tokenizer has one (as
-    ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text."""
-    from .engine import encode_prompt
+    ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text
+    (:func:`mtpflow.engine.prompt_ids`, which the Python API uses too)."""
+    from .engine import prompt_ids
 
     if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
@@ -164,7 +165,7 @@ def _encode(session, text: str, chat: bool | None, system: str | None) -> list[i
         raise CLIError("--system-prompt needs a chat template, and this tokenizer has none")
     if chat is False and system is not None:
         raise CLIError("--system-prompt needs the chat template; drop --ignore-chat-template")
-    return encode_prompt(session.tokenizer, text, chat is not False, system=system)
+    return prompt_ids(session.tokenizer, text, chat, system)
 
 
 def cmd_generate(args) -> int:

@@ -421,17 +421,53 @@ def load_session(
 # --------------------------------------------------------------------------------------
 # generation
 # --------------------------------------------------------------------------------------
-def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
-    """Token ids of one user prompt: with ``chat`` and a tokenizer that has a
-    chat template, rendered as a single user turn (after a ``system``
-    message, if given) with the generation prompt, as ``mlx_lm.generate``
-    does by default; otherwise plainly encoded."""
-    if chat and getattr(tokenizer, "chat_template", None):
+def encode_prompt(tokenizer, text, chat: bool = True, system: str | None = None) -> list[int]:
+    """Token ids of one prompt: ``text`` (one user turn) or a list of chat
+    messages (``{"role", "content"}`` dicts).  With ``chat`` and a tokenizer
+    that has a chat template, rendered with the generation prompt (after a
+    ``system`` message, if given), as ``mlx_lm.generate`` does by default;
+    otherwise ``text`` is plainly encoded."""
+    if isinstance(text, str):
         messages = [{"role": "user", "content": text}]
+    else:
+        messages = list(text)
+    if chat and getattr(tokenizer, "chat_template", None):
         if system is not None:
             messages.insert(0, {"role": "system", "content": system})
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if not isinstance(text, str):
+        why = "chat_template=False turns it off" if getattr(tokenizer, "chat_template", None) else "this tokenizer has none"
+        raise ValueError(f"chat messages need the tokenizer's chat template ({why}); pass text or token ids")
     return list(tokenizer.encode(text))
+
+
+def prompt_ids(tokenizer, prompt, chat_template: bool | None = None, system_prompt: str | None = None) -> list[int]:
+    """The token ids of a prompt, as ``mlx_lm.generate`` builds them (the one
+    place the CLI and :func:`generate` encode prompts).
+
+    ``prompt``: token ids (used as they are), text (one user turn) or chat
+    messages (a list of ``{"role": ..., "content": ...}``).  ``chat_template``:
+    ``None`` = text goes through the tokenizer's chat template when it has
+    one; ``True`` = it must (an error when the tokenizer has none);
+    ``False`` = text is encoded plainly.  ``system_prompt``: a system message
+    before the user turn (needs the template)."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if system_prompt is not None:
+            raise ValueError("system_prompt goes with a text prompt or messages, not token ids")
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; pass token ids")
+    if not isinstance(prompt, str):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has:
+        raise ValueError("this tokenizer has no chat template; leave chat_template unset (or False) to encode plain text")
+    if system_prompt is not None and not has:
+        raise ValueError("system_prompt needs a chat template, and this tokenizer has none")
+    if chat_template is False and system_prompt is not None:
+        raise ValueError("system_prompt needs the chat template; drop chat_template=False")
+    return encode_prompt(tokenizer, prompt, chat_template is not False, system=system_prompt)
 
 
 def make_request(
@@ -588,15 +624,19 @@ def _round_events(state) -> Iterator[Event]:
 
 def generate(
     session: Session,
-    prompt: list[int] | str,
+    prompt,
     max_tokens: int | None = None,
     sampling: SamplingParams | None = None,
+    *,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
 ) -> GenerationResult:
-    """Complete one prompt (token ids, or text when a tokenizer is loaded)."""
-    if isinstance(prompt, str):
-        if session.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids")
-        prompt = session.tokenizer.encode(prompt)
+    """Complete one prompt: text or chat messages (``[{"role": "user",
+    "content": ...}]``) through the tokenizer's chat template when it has one,
+    as the CLI and ``mlx_lm.generate`` do (``chat_template=False``: text
+    encoded plainly, as ``--ignore-chat-template``), or token ids as they
+    are (see :func:`prompt_ids`)."""
+    prompt = prompt_ids(session.tokenizer, prompt, chat_template, system_prompt)
     req = make_request(session, prompt, max_tokens, sampling)
     session.reset_stats()
     tokens: list[int] = []
@@ -630,5 +670,5 @@ def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) 
 
 __all__ = [
     "Session", "Event", "GenerationResult", "LoadError", "load_session", "generate",
-    "generate_stream", "make_request", "target_only_greedy", "Batcher",
+    "generate_stream", "make_request", "prompt_ids", "target_only_greedy", "Batcher",
 ]
