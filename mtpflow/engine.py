@@ -276,6 +276,25 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy, max_block_size=ceiling))
 
 
+def is_moe(model_config: dict) -> bool:
+    """Whether a ``config.json`` describes a mixture-of-experts model."""
+    tc = model_config.get("text_config") or model_config
+    return bool(tc.get("enable_moe_block") or tc.get("num_experts") or tc.get("num_local_experts"))
+
+
+def check_moe_dtype(model_config: dict, dtype: str | None, path) -> None:
+    """MLX runs a mixture-of-experts layer (``GatherMM``) on the CPU in float32
+    only: an explicit float16 / bfloat16 for a MoE target on a CPU device is
+    refused before any weight is read."""
+    if dtype not in ("float16", "bfloat16") or not is_moe(model_config):
+        return
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        raise LoadError(f"{path} is a mixture-of-experts model, which MLX runs on the CPU in float32 only; "
+                        f"use --dtype float32 (dtype = \"float32\") instead of {dtype}")
+
+
 def on_for_device(mode: str) -> bool:
     """An ``"auto"`` / ``"on"`` / ``"off"`` setting (``submit_layers``, ``fuse_ops``):
     "auto" is on for a CPU device."""
@@ -331,6 +350,7 @@ def load_session(
         tpath = resolve_model(mc.model)
         draft_model = mc.draft_model
     tcfg = _read_config(tpath)
+    check_moe_dtype(tcfg, mc.dtype, tpath)
     mt = tcfg.get("model_type")
     try:
         target_cls = plugins.targets.get(mt)
