@@ -40,8 +40,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: local folder, Hugging Face repo id or packaged name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b); default: the built-in pair, smollm2-135m with its shipped drafter smollm2-135m-mtp")
-    p.add_argument("--draft-model", help="drafter: local folder, Hugging Face repo id or packaged drafter name (default: none, the target decodes alone; with no --model, the built-in drafter)")
-    p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model (default: detected from the drafter's config.json)")
+    p.add_argument("--draft-model", help="drafter: local folder, Hugging Face repo id or packaged drafter name (default: none, the target decodes alone; with no --model, the built-in drafter unless --draft-kind asks for another kind)")
+    p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model; an unknown kind, or one the drafter checkpoint contradicts, is an error (default: detected from the drafter's config.json)")
     p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1, fixed (default: the adaptive policy, starting at the drafter's recommended size, else 4)")
     p.add_argument("--draft-policy", help="block-size policy: adaptive, fixed or a plugin's (default: fixed when --draft-block-size is given, else adaptive)")
     p.add_argument("--draft-tree", help="verify a tree of candidates: children per depth ('4,2,1'), 'dynamic:TOPK:WIDTH:DEPTH[:NODES]' "

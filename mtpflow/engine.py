@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -214,10 +213,21 @@ def _read_config(path: Path) -> dict:
     return read_config(path)
 
 
+def _runs(cls, drafter_config: dict) -> bool:
+    """Whether drafter kind ``cls`` recognises the checkpoint config itself."""
+    matches = getattr(cls, "matches", None)
+    return bool(matches is not None and matches(drafter_config)) or drafter_config.get("model_type") in getattr(
+        cls, "model_types", ())
+
+
 def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | None) -> str:
-    """The drafter kind registered for the checkpoint's ``model_type``; a
-    contradicting ``requested`` kind is overridden with a warning."""
+    """The drafter kind for a checkpoint: an explicit ``requested`` kind when
+    it is registered (else an error listing the kinds) and does not contradict
+    the checkpoint (a checkpoint another kind recognises is an error), else
+    the kind registered for the checkpoint's ``model_type``."""
     mt = drafter_config.get("model_type")
+    if requested is not None and _runs(plugins.drafters.get(requested), drafter_config):
+        return requested
     detected = None
     for name, cls in plugins.drafters.items():  # a kind that recognises the config itself comes first
         matches = getattr(cls, "matches", None)
@@ -241,9 +251,9 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
             )
         return requested
     if requested is not None and requested != detected:
-        warnings.warn(
-            f"--draft-kind {requested!r} contradicts the drafter checkpoint (model_type {mt!r}); using {detected!r}",
-            stacklevel=2,
+        raise LoadError(
+            f"--draft-kind {requested!r} does not run this drafter checkpoint (model_type {mt!r}: kind {detected!r}); "
+            f"drop --draft-kind or pass --draft-kind {detected}"
         )
     return detected
 
@@ -343,9 +353,15 @@ def load_session(
     plugins = plugins or get_plugins()
     plugins.check_settings(config)
     mc = config.model
-    if mc.model is None:
-        tpath, dpath = default_model_paths()
-        draft_model = str(dpath)
+    if mc.draft_kind is not None:
+        plugins.drafters.get(mc.draft_kind)  # an unknown kind is an error listing the registered ones
+    if mc.model is None:  # the built-in target; its drafter unless another drafter or kind is asked for
+        tpath = resolve_model(DEFAULT_TARGET)
+        draft_model = mc.draft_model
+        if draft_model is None:
+            dpath = resolve_model(DEFAULT_DRAFTER)
+            if mc.draft_kind is None or mc.draft_kind == detect_draft_kind(plugins, _read_config(dpath), None):
+                draft_model = str(dpath)
     else:
         tpath = resolve_model(mc.model)
         draft_model = mc.draft_model
