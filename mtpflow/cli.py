@@ -40,8 +40,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target: local folder, Hugging Face repo id or packaged name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b); default: the built-in pair, smollm2-135m with its shipped drafter smollm2-135m-mtp")
-    p.add_argument("--draft-model", help="drafter: local folder, Hugging Face repo id or packaged drafter name (default: none, the target decodes alone; with no --model, the built-in drafter)")
-    p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model (default: detected from the drafter's config.json)")
+    p.add_argument("--draft-model", help="drafter: local folder, Hugging Face repo id or packaged drafter name (default: none, the target decodes alone; with no --model, the built-in drafter unless --draft-kind asks for another kind)")
+    p.add_argument("--draft-kind", help="drafter kind, e.g. ngram or model; an unknown kind, or one the drafter checkpoint contradicts, is an error (default: detected from the drafter's config.json)")
     p.add_argument("--draft-block-size", type=int, help="tokens verified per round: drafts + 1, fixed (default: the adaptive policy, starting at the drafter's recommended size, else 4)")
     p.add_argument("--draft-policy", help="block-size policy: adaptive, fixed or a plugin's (default: fixed when --draft-block-size is given, else adaptive)")
     p.add_argument("--draft-tree", help="verify a tree of candidates: children per depth ('4,2,1'), 'dynamic:TOPK:WIDTH:DEPTH[:NODES]' "
@@ -152,8 +152,9 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 def _encode(session, text: str, chat: bool | None, system: str | None) -> list[int]:
     """``chat``: ``None`` = the chat template when the tokenizer has one (as
-    ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text."""
-    from .engine import encode_prompt
+    ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text
+    (:func:`mtpflow.engine.prompt_ids`, which the Python API uses too)."""
+    from .engine import prompt_ids
 
     if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
@@ -164,7 +165,7 @@ def _encode(session, text: str, chat: bool | None, system: str | None) -> list[i
         raise CLIError("--system-prompt needs a chat template, and this tokenizer has none")
     if chat is False and system is not None:
         raise CLIError("--system-prompt needs the chat template; drop --ignore-chat-template")
-    return encode_prompt(session.tokenizer, text, chat is not False, system=system)
+    return prompt_ids(session.tokenizer, text, chat, system)
 
 
 def cmd_generate(args) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -214,10 +213,21 @@ def _read_config(path: Path) -> dict:
     return read_config(path)
 
 
+def _runs(cls, drafter_config: dict) -> bool:
+    """Whether drafter kind ``cls`` recognises the checkpoint config itself."""
+    matches = getattr(cls, "matches", None)
+    return bool(matches is not None and matches(drafter_config)) or drafter_config.get("model_type") in getattr(
+        cls, "model_types", ())
+
+
 def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | None) -> str:
-    """The drafter kind registered for the checkpoint's ``model_type``; a
-    contradicting ``requested`` kind is overridden with a warning."""
+    """The drafter kind for a checkpoint: an explicit ``requested`` kind when
+    it is registered (else an error listing the kinds) and does not contradict
+    the checkpoint (a checkpoint another kind recognises is an error), else
+    the kind registered for the checkpoint's ``model_type``."""
     mt = drafter_config.get("model_type")
+    if requested is not None and _runs(plugins.drafters.get(requested), drafter_config):
+        return requested
     detected = None
     for name, cls in plugins.drafters.items():  # a kind that recognises the config itself comes first
         matches = getattr(cls, "matches", None)
@@ -241,9 +251,9 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
             )
         return requested
     if requested is not None and requested != detected:
-        warnings.warn(
-            f"--draft-kind {requested!r} contradicts the drafter checkpoint (model_type {mt!r}); using {detected!r}",
-            stacklevel=2,
+        raise LoadError(
+            f"--draft-kind {requested!r} does not run this drafter checkpoint (model_type {mt!r}: kind {detected!r}); "
+            f"drop --draft-kind or pass --draft-kind {detected}"
         )
     return detected
 
@@ -274,6 +284,25 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     if (block, policy, ceiling) == (d.block_size, d.policy, d.max_block_size):
         return config
     return attrs.evolve(config, draft=attrs.evolve(d, block_size=block, policy=policy, max_block_size=ceiling))
+
+
+def is_moe(model_config: dict) -> bool:
+    """Whether a ``config.json`` describes a mixture-of-experts model."""
+    tc = model_config.get("text_config") or model_config
+    return bool(tc.get("enable_moe_block") or tc.get("num_experts") or tc.get("num_local_experts"))
+
+
+def check_moe_dtype(model_config: dict, dtype: str | None, path) -> None:
+    """MLX runs a mixture-of-experts layer (``GatherMM``) on the CPU in float32
+    only: an explicit float16 / bfloat16 for a MoE target on a CPU device is
+    refused before any weight is read."""
+    if dtype not in ("float16", "bfloat16") or not is_moe(model_config):
+        return
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        raise LoadError(f"{path} is a mixture-of-experts model, which MLX runs on the CPU in float32 only; "
+                        f"use --dtype float32 (dtype = \"float32\") instead of {dtype}")
 
 
 def on_for_device(mode: str) -> bool:
@@ -324,13 +353,20 @@ def load_session(
     plugins = plugins or get_plugins()
     plugins.check_settings(config)
     mc = config.model
-    if mc.model is None:
-        tpath, dpath = default_model_paths()
-        draft_model = str(dpath)
+    if mc.draft_kind is not None:
+        plugins.drafters.get(mc.draft_kind)  # an unknown kind is an error listing the registered ones
+    if mc.model is None:  # the built-in target; its drafter unless another drafter or kind is asked for
+        tpath = resolve_model(DEFAULT_TARGET)
+        draft_model = mc.draft_model
+        if draft_model is None:
+            dpath = resolve_model(DEFAULT_DRAFTER)
+            if mc.draft_kind is None or mc.draft_kind == detect_draft_kind(plugins, _read_config(dpath), None):
+                draft_model = str(dpath)
     else:
         tpath = resolve_model(mc.model)
         draft_model = mc.draft_model
     tcfg = _read_config(tpath)
+    check_moe_dtype(tcfg, mc.dtype, tpath)
     mt = tcfg.get("model_type")
     try:
         target_cls = plugins.targets.get(mt)
@@ -421,17 +457,53 @@ def load_session(
 # --------------------------------------------------------------------------------------
 # generation
 # --------------------------------------------------------------------------------------
-def encode_prompt(tokenizer, text: str, chat: bool = True, system: str | None = None) -> list[int]:
-    """Token ids of one user prompt: with ``chat`` and a tokenizer that has a
-    chat template, rendered as a single user turn (after a ``system``
-    message, if given) with the generation prompt, as ``mlx_lm.generate``
-    does by default; otherwise plainly encoded."""
-    if chat and getattr(tokenizer, "chat_template", None):
+def encode_prompt(tokenizer, text, chat: bool = True, system: str | None = None) -> list[int]:
+    """Token ids of one prompt: ``text`` (one user turn) or a list of chat
+    messages (``{"role", "content"}`` dicts).  With ``chat`` and a tokenizer
+    that has a chat template, rendered with the generation prompt (after a
+    ``system`` message, if given), as ``mlx_lm.generate`` does by default;
+    otherwise ``text`` is plainly encoded."""
+    if isinstance(text, str):
         messages = [{"role": "user", "content": text}]
+    else:
+        messages = list(text)
+    if chat and getattr(tokenizer, "chat_template", None):
         if system is not None:
             messages.insert(0, {"role": "system", "content": system})
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if not isinstance(text, str):
+        why = "chat_template=False turns it off" if getattr(tokenizer, "chat_template", None) else "this tokenizer has none"
+        raise ValueError(f"chat messages need the tokenizer's chat template ({why}); pass text or token ids")
     return list(tokenizer.encode(text))
+
+
+def prompt_ids(tokenizer, prompt, chat_template: bool | None = None, system_prompt: str | None = None) -> list[int]:
+    """The token ids of a prompt, as ``mlx_lm.generate`` builds them (the one
+    place the CLI and :func:`generate` encode prompts).
+
+    ``prompt``: token ids (used as they are), text (one user turn) or chat
+    messages (a list of ``{"role": ..., "content": ...}``).  ``chat_template``:
+    ``None`` = text goes through the tokenizer's chat template when it has
+    one; ``True`` = it must (an error when the tokenizer has none);
+    ``False`` = text is encoded plainly.  ``system_prompt``: a system message
+    before the user turn (needs the template)."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if system_prompt is not None:
+            raise ValueError("system_prompt goes with a text prompt or messages, not token ids")
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; pass token ids")
+    if not isinstance(prompt, str):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has:
+        raise ValueError("this tokenizer has no chat template; leave chat_template unset (or False) to encode plain text")
+    if system_prompt is not None and not has:
+        raise ValueError("system_prompt needs a chat template, and this tokenizer has none")
+    if chat_template is False and system_prompt is not None:
+        raise ValueError("system_prompt needs the chat template; drop chat_template=False")
+    return encode_prompt(tokenizer, prompt, chat_template is not False, system=system_prompt)
 
 
 def make_request(
@@ -588,15 +660,19 @@ def _round_events(state) -> Iterator[Event]:
 
 def generate(
     session: Session,
-    prompt: list[int] | str,
+    prompt,
     max_tokens: int | None = None,
     sampling: SamplingParams | None = None,
+    *,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
 ) -> GenerationResult:
-    """Complete one prompt (token ids, or text when a tokenizer is loaded)."""
-    if isinstance(prompt, str):
-        if session.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids")
-        prompt = session.tokenizer.encode(prompt)
+    """Complete one prompt: text or chat messages (``[{"role": "user",
+    "content": ...}]``) through the tokenizer's chat template when it has one,
+    as the CLI and ``mlx_lm.generate`` do (``chat_template=False``: text
+    encoded plainly, as ``--ignore-chat-template``), or token ids as they
+    are (see :func:`prompt_ids`)."""
+    prompt = prompt_ids(session.tokenizer, prompt, chat_template, system_prompt)
     req = make_request(session, prompt, max_tokens, sampling)
     session.reset_stats()
     tokens: list[int] = []
@@ -630,5 +706,5 @@ def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) 
 
 __all__ = [
     "Session", "Event", "GenerationResult", "LoadError", "load_session", "generate",
-    "generate_stream", "make_request", "target_only_greedy", "Batcher",
+    "generate_stream", "make_request", "prompt_ids", "target_only_greedy", "Batcher",
 ]

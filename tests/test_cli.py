@@ -129,25 +129,35 @@ def test_prompts_file_gives_a_result_per_prompt(capsys, tmp_path):
     assert "stats" in obj
 
 
-def test_draft_kind_contradicting_the_checkpoint_warns(capsys):
-    rc, out, err = generate(
-        capsys, "--draft-model", E_DRAFTER, "--draft-kind", "model-free-nonsense", "--prompt", PROMPT, "--json",
-        max_tokens=3,
-    )
+def test_draft_kind_contradicting_the_checkpoint_is_an_error(capsys):
+    rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--draft-kind", "ngram", "--prompt", PROMPT, "--json",
+                            max_tokens=3)
+    assert_user_error(rc, err, "--draft-kind 'ngram'", "gemma4_assistant", "'mtp'")
+    assert out == ""
+    rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--draft-kind", "mtp", "--prompt", PROMPT, "--json",
+                            max_tokens=3)  # the checkpoint's own kind, named
     assert rc == 0, err
-    assert "contradicts" in err
-    assert "Traceback" not in err
-    assert '"tokens"' in out
+    assert json.loads(out)["stats"]["draft_kind"] == "mtp"
 
 
-def test_draft_kind_warning_keeps_json_stdout_clean(capsys):
-    rc, out, err = generate(
-        capsys, "--draft-model", E_DRAFTER, "--draft-kind", "model-free-nonsense", "--prompt", PROMPT, "--json",
-        max_tokens=3,
-    )
+@pytest.mark.parametrize("model", [E_TARGET, None])
+def test_unknown_draft_kind_is_an_error_listing_the_kinds(capsys, model):
+    extra = ["--model", model] if model is not None else []
+    rc, out, err = run(capsys, "generate", *extra, "--draft-kind", "bogus", "--prompt-ids", "5,6,7", "--max-tokens", 2)
+    assert_user_error(rc, err, "'bogus'", "registered", "ngram", "assistant", "eagle3")
+    assert out == ""
+
+
+def test_an_explicit_draft_kind_wins_over_the_built_in_drafter(capsys):
+    """No --model: the built-in target runs the kind asked for (ngram: no
+    drafter checkpoint), and the built-in drafter only when its kind is asked."""
+    rc, out, err = run(capsys, "generate", "--draft-kind", "ngram", "--prompt-ids", "5,6,7,5,6", "--max-tokens", 3, "--json")
     assert rc == 0, err
-    obj = json.loads(out)
-    assert obj["stats"]["draft_kind"] == "mtp"
+    assert "warning" not in err
+    assert json.loads(out)["stats"]["draft_kind"] == "ngram"
+    rc, out, err = run(capsys, "generate", "--draft-kind", "assistant", "--prompt-ids", "5,6,7", "--max-tokens", 2, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["draft_kind"] == "assistant"
 
 
 # --------------------------------------------------------------------------------------

@@ -92,21 +92,18 @@ def test_altered_weights_and_garbage_state(ckpt):
 def test_missing_state_json_is_an_error_not_a_restart(ckpt):
     (ckpt / "state.json").unlink()
     assert f"{ckpt / 'state.json'}: missing" in _error(ckpt)
-    (ckpt / "manifest.json").unlink()  # a checkpoint from before manifests: still named
-    msg = _error(ckpt)
-    assert f"{ckpt / 'state.json'}: missing" in msg and "model.safetensors" in msg, msg
 
 
-def test_checkpoints_without_a_manifest_load_and_name_a_cut_file(ckpt):
+def test_a_checkpoint_without_a_manifest_is_refused(ckpt):
+    """Nothing to verify it against: a flipped byte would train on silently."""
     (ckpt / "manifest.json").unlink()
-    m, opt = _model_and_opt(1)
-    assert load_checkpoint(ckpt, m, opt)["step"] == 7
-    f = ckpt / "optimizer.safetensors"
-    f.write_bytes(f.read_bytes()[:60])
-    assert f"{f}: cannot be read" in _error(ckpt)
-    s = ckpt / "state.json"
-    s.write_text('{"step": ')
-    assert f"{s}: not a checkpoint state" in _error(ckpt)
+    f = ckpt / "model.safetensors"
+    b = bytearray(f.read_bytes())
+    b[-3] ^= 0xFF
+    f.write_bytes(bytes(b))
+    msg = _error(ckpt)
+    assert f"{ckpt / 'manifest.json'}: missing" in msg and "cannot be verified" in msg, msg
+    assert "model.safetensors" in msg and "state.json" in msg, msg  # what the folder holds
 
 
 def test_a_swap_cut_by_a_kill_recovers_the_newest_whole_checkpoint(tmp_path):
@@ -206,3 +203,64 @@ def test_a_killed_run_resumes_to_the_losses_of_an_uninterrupted_one(straight, tm
     wa, wb = mx.load(str(straight / "model.safetensors")), mx.load(str(out / "model.safetensors"))
     for k in wa:
         assert np.allclose(np.array(wa[k]), np.array(wb[k]), atol=1e-6, rtol=0), k
+
+
+def test_sigterm_checkpoints_the_finished_step_and_the_run_resumes_to_the_same_losses(straight, tmp_path, monkeypatch):
+    import mtpflow.train.data as data
+    from mtpflow.train.loop import TrainingInterrupted
+
+    real = data.batches
+
+    def batches(examples, batch_size, seed, step, *a, **k):
+        if step == 4:  # the signal arrives while step 5 is being computed
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(examples, batch_size, seed, step, *a, **k)
+
+    monkeypatch.setattr(data, "batches", batches)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted) as info:
+        train(PAIR_E, DRAFTER, "selfgen:16:24", out, **RUN)
+    assert info.value.step == 5 and info.value.signum == signal.SIGTERM
+    assert "resume from step 5" in str(info.value)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back
+    assert read_state(out / "checkpoint")["step"] == 5  # checkpoint_every 3: step 5 saved on the signal
+    monkeypatch.setattr(data, "batches", real)
+    train(PAIR_E, DRAFTER, "selfgen:16:24", out, **RUN)
+    got, want = _log(out), _log(straight)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert np.allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
+
+
+def test_ctrl_c_on_the_cli_checkpoints_and_says_where_it_resumes(tmp_path):
+    import re
+    import time
+
+    out, errf = tmp_path / "run", tmp_path / "stderr.txt"
+    env = dict(os.environ, MTPFLOW_DISABLE_PLUGIN_AUTOLOAD="1")
+    cmd = [sys.executable, "-m", "mtpflow.cli", "train", "--target", str(PAIR_E), "--data", "selfgen:16:24",
+           "--out", str(out), "--steps", "100000", "--checkpoint-every", "100000", "--batch-size", "4",
+           "--unroll", "2", "--drafter-config", json.dumps(DRAFTER)]
+    with open(errf, "w") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and p.poll() is None:  # the progress bar has passed step 2
+                steps = [int(x) for x in re.findall(r"(\d+)/100000", errf.read_text())]
+                if steps and max(steps) >= 2:
+                    break
+                time.sleep(0.2)
+            assert p.poll() is None, errf.read_text()[-2000:]
+            p.send_signal(signal.SIGINT)
+            rc = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    text = errf.read_text()
+    assert rc == 130, text[-2000:]
+    assert "Traceback" not in text
+    last = text.strip().splitlines()[-1]
+    m = re.search(r"resume from step (\d+)$", last)
+    assert m and last.startswith("mtpflow: interrupted by SIGINT"), last
+    step = int(m.group(1))
+    assert step >= 2 and read_state(out / "checkpoint")["step"] == step
+    assert [r["step"] for r in _log(out)] == list(range(1, step + 1))

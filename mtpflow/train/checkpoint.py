@@ -15,7 +15,8 @@ A kill at any point leaves either the previous checkpoint or the new one whole:
 ``checkpoint.new`` whose manifest verifies is the newest complete checkpoint;
 otherwise ``checkpoint.old`` is put back), then checks every file against the
 manifest before reading it.  Anything else -- a truncated or altered file, a
-missing ``state.json`` next to the weights, unreadable JSON -- is a
+missing ``state.json`` next to the weights, a checkpoint without a manifest
+(nothing to verify it against), unreadable JSON -- is a
 :class:`CheckpointError` whose one-line message names the file and what to do;
 nothing restarts silently.
 
@@ -179,14 +180,11 @@ def read_state(ckpt) -> dict | None:
     recover(ckpt)
     if not ckpt.is_dir() or not any(ckpt.iterdir()):
         return None
-    if (ckpt / MANIFEST).is_file():
-        manifest = _verify(ckpt)
-    else:  # written before checkpoints had a manifest: check what can be checked
-        manifest = None
-        present = sorted(p.name for p in ckpt.iterdir())
-        for name in FILES:
-            if not (ckpt / name).is_file():
-                raise _damaged(ckpt / name, f"missing (the folder holds {', '.join(present)})", ckpt)
+    if not (ckpt / MANIFEST).is_file():  # nothing to verify the files against: an altered byte would train on
+        present = ", ".join(sorted(p.name for p in ckpt.iterdir()))
+        raise _damaged(ckpt / MANIFEST, f"missing (the folder holds {present}), so the checkpoint cannot be verified",
+                       ckpt)
+    manifest = _verify(ckpt)
     sf = ckpt / FILES[2]
     try:
         state = json.loads(sf.read_text())
@@ -195,7 +193,7 @@ def read_state(ckpt) -> dict | None:
         raise _damaged(sf, f"not a checkpoint state ({type(exc).__name__}: {exc})", ckpt) from None
     if not isinstance(step, int) or step < 0:
         raise _damaged(sf, f"step {step!r} is not a step number", ckpt)
-    if manifest is not None and int(manifest["step"]) != step:
+    if int(manifest["step"]) != step:
         raise _damaged(sf, f"step {step} but manifest.json says {manifest['step']}", ckpt)
     return state
 

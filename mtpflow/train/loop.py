@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -422,6 +424,42 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------ the optimiser loop
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run; its last finished ``step`` is checkpointed
+    in ``checkpoint``, from which the same command resumes."""
+
+    def __init__(self, step: int, signum: int, checkpoint: Path):
+        super().__init__(step, signum, checkpoint)
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return (f"{name}: stopped after step {self.step}, checkpointed in {self.checkpoint}; "
+                f"run the same command again to resume from step {self.step}")
+
+
+def _catch_stop_signals(signalled: list):
+    """Make SIGINT and SIGTERM append their number to ``signalled`` instead of
+    stopping the process (a second one stops it at once); returns the function
+    that puts the previous handlers back.  Only the main thread can install
+    handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        if signalled:
+            raise KeyboardInterrupt
+        signalled.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore():
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return restore
+
+
 def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int,
              data_id: str | None = None, ranks: Ranks | None = None):
     """AdamW over ``model``'s trainable parameters until ``cfg.steps``
@@ -442,7 +480,9 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     what the checkpoint must have been written for.  Returns ``(step,
     acc_ema, tokens_seen, last_log, elapsed_s, speed)``; ``speed``: this
     sitting's training tokens per second, over all ranks and per device
-    (:func:`mtpflow.train.parallel.throughput`)."""
+    (:func:`mtpflow.train.parallel.throughput`).  SIGINT / SIGTERM stop the
+    run after the step it is in: that step is checkpointed, then
+    :class:`TrainingInterrupted` is raised."""
     ranks = ranks or world()
     rows = ranks.rows(cfg.batch_size)
     if data_id is not None:
@@ -483,8 +523,28 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     t0 = time.time()
     tokens_start = tokens_seen
     last = {}
+    saved = step
+
+    def checkpoint():
+        nonlocal saved
+        log_f.flush()  # the log holds every step of the checkpoint before it is written
+        os.fsync(log_f.fileno())
+        save_checkpoint(ckpt, model, opt, {
+            "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
+            "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": config_id,
+            "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
+            "ranks": ranks.size,
+        })
+        saved = step
+
+    signalled: list = []  # SIGINT / SIGTERM: the run stops after the step it is in, checkpointed
+    restore = _catch_stop_signals(signalled)
+    stopped = False
     try:
         while step < cfg.steps:
+            if ranks.any(bool(signalled)):
+                stopped = True
+                break
             if cfg.max_time_s is not None and ranks.any(time.time() - t0 >= cfg.max_time_s):
                 break
             if cfg.stop_at is not None and step >= cfg.stop_at:
@@ -521,18 +581,16 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema)
                        + " " + rate_text(tps, ranks))
             if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
-                log_f.flush()  # the log holds every step of the checkpoint before it is written
-                os.fsync(log_f.fileno())
-                save_checkpoint(ckpt, model, opt, {
-                    "step": step, "acc_ema": acc_ema, "tokens_seen": tokens_seen,
-                    "elapsed_s": elapsed_prev + time.time() - t0, "drafter_config": config_id,
-                    "numpy_rng": "data order is a pure function of (seed, step)", "seed": cfg.seed,
-                    "ranks": ranks.size,
-                })
+                checkpoint()
+        if ranks.main and saved != step:  # stopped by a signal or --max-time after the last checkpoint
+            checkpoint()
     finally:
+        restore()
         bar.close()
         if log_f is not None:
             log_f.close()
+    if stopped:
+        raise TrainingInterrupted(step, signalled[0] if signalled else signal.SIGINT, ckpt)
     speed = throughput(tokens_seen - tokens_start, time.time() - t0, ranks)
     return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0, speed
 
@@ -735,7 +793,12 @@ def run_train(args) -> int:
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
         kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb,
     )
-    summary = train(args.target, dc, args.data, args.out, config=cfg)
+    try:
+        summary = train(args.target, dc, args.data, args.out, config=cfg)
+    except TrainingInterrupted as stop:
+        if world().main:
+            print(f"mtpflow: interrupted by {stop}", file=sys.stderr)
+        return 128 + stop.signum
     if world().main:  # (under mlx.launch every rank runs this; one line is enough)
         print(json.dumps({k: summary[k] for k in ("steps", "tokens_seen", "elapsed_s", "examples")} | {"out": str(args.out)}))
     return 0
