@@ -19,7 +19,7 @@ the prompts one after another.  By default EOS is ignored so every variant
 produces exactly ``max_tokens`` tokens per prompt (``--stop-at-eos`` to stop).
 
 Outputs ``DIR/bench.json`` and PNG plots.  Nothing here imports mlx at module
-level (OpenBLAS must be loaded first, see :mod:`mtpflow._blas`).
+level (OpenBLAS must be loaded first, see :mod:`mtpflow.backend.blas`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["fixed", "adaptive"], default="fixed",
                    help="block policy; with adaptive each block size K is the largest size the policy may pick")
     p.add_argument("--mlx-lm-draft-model", help="also run mlx-lm's own speculative decoding with this draft model (folder, repo id or packaged GGUF name; default: none)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="weights dtype")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="weights dtype (auto: the checkpoint's own on a GPU, float32 on a CPU)")
     p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                    help="apply the target's chat template: auto = for chat sets (mtbench) when the tokenizer has one")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore EOS so all variants emit max_tokens)")
@@ -310,7 +311,7 @@ class MLXLMVariant(Variant):
                             min_p=sc.min_p, top_k=sc.top_k)
 
     def run(self, prompts, max_tokens, collector):
-        from . import fusion
+        from .backend import fusion
 
         with fusion.stock(self.model, self.draft_model):  # mlx-lm as it ships, whatever mtpflow fused
             return self._run(prompts, max_tokens, collector)
@@ -510,8 +511,12 @@ def _load_mlx_lm_draft(name: str, dtype: str):
 
     from .engine import resolve_model
 
-    path = resolve_model(name, dtype)
+    path = resolve_model(name, "float32" if dtype == "auto" else dtype)
     model, cfg = load_model(Path(path))
+    if dtype == "auto":
+        from .backend.dtypes import resolve_dtype
+
+        dtype = resolve_dtype(dtype, path, cfg)
     if dtype and not (cfg.get("quantization") or cfg.get("quantization_config")):
         model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
@@ -523,7 +528,7 @@ def build_variants(args, session, prompts) -> list[Variant]:
     eos = () if not args.stop_at_eos else sorted(session.target.eos_ids)
     ignore_eos = not args.stop_at_eos
     max_batch = max(args.batch_sizes)
-    mlx_draft = _load_mlx_lm_draft(args.mlx_lm_draft_model, args.dtype) if args.mlx_lm_draft_model else None
+    mlx_draft = _load_mlx_lm_draft(args.mlx_lm_draft_model, session.dtype.split(" + ")[-1]) if args.mlx_lm_draft_model else None
     for b in args.batch_sizes:
         if not args.no_baseline:
             variants.append(MLXLMVariant(f"mlx_lm b{b}", b, 1, "target_only", session.target.model, stop_ids=eos,
@@ -559,8 +564,9 @@ def build_variants(args, session, prompts) -> list[Variant]:
 def _config(args):
     from .config import load_config
 
-    target = resolve_model_path(args.target, args.dtype) if args.target else None
-    draft = resolve_model_path(args.draft_model, args.dtype) if args.draft_model else None
+    gguf_dtype = "float32" if args.dtype == "auto" else args.dtype  # a packaged GGUF converts to float32 unless told
+    target = resolve_model_path(args.target, gguf_dtype) if args.target else None
+    draft = resolve_model_path(args.draft_model, gguf_dtype) if args.draft_model else None
     if target is None and draft is None and args.draft_kind is None:
         from .engine import default_model_paths
 
@@ -712,10 +718,10 @@ def _plots(result: dict, out: Path) -> list[str]:
 
 
 def run_bench(args) -> int:
-    from ._blas import ensure_fast_blas
+    from .backend.blas import ensure_fast_blas
 
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
-    from . import fusion
+    from .backend import fusion
 
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise BenchError("--repeats and --max-tokens must be >= 1, --warmup >= 0")
@@ -820,7 +826,7 @@ def run_bench(args) -> int:
             "draft_model": cfg.model.draft_model,
             "draft_kind": session.draft_kind,
             "mlx_lm_draft_model": args.mlx_lm_draft_model,
-            "dtype": args.dtype,
+            "dtype": {"setting": args.dtype, "ran": session.dtype},
             "prompts": args.prompts,
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
@@ -889,7 +895,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:  # ``python -m mtpflow.bench``
-    from ._blas import ensure_fast_blas
+    from .backend.blas import ensure_fast_blas
 
     ensure_fast_blas()
     p = argparse.ArgumentParser(prog="mtpflow bench", description=__doc__.split("\n\n")[0])

@@ -1,7 +1,7 @@
 """The ``mtpflow`` command line.
 
 Nothing at module level imports mlx: OpenBLAS has to be loaded first
-(:func:`mtpflow._blas.ensure_fast_blas`), so every heavy import happens inside
+(:func:`mtpflow.backend.blas.ensure_fast_blas`), so every heavy import happens inside
 the command functions.
 """
 
@@ -47,7 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tree", help="verify a tree of candidates: children per depth ('4,2,1'), 'dynamic:TOPK:WIDTH:DEPTH[:NODES]' "
                                         "(EAGLE-2; NODES: verify only that many, the most probable), or 'auto' (the adaptive policy measures trees against chains) (default: off)")
     p.add_argument("--config", help="TOML config file, or the name of a shipped config (default, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b); flags override it (default: none)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default: float32)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights dtype (default: auto = the checkpoint's own on a GPU, float32 on a CPU)")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                    help="set any config key, e.g. plugins.NAME.key=0.7 or sampling.top_k=20 (a TOML value); repeatable (default: none)")
 
@@ -262,6 +263,7 @@ def _generate(args, cfg, log) -> int:
         draft_kind=session.draft_kind,
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
+        dtype=session.dtype,
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:
@@ -290,7 +292,7 @@ def cmd_plugins(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import _blas
+    from .backend import blas as _blas
 
     r = _blas.ensure_fast_blas()  # before anything imports mlx
     if r.get("status") == "mlx_already_imported" and argv is None:

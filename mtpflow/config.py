@@ -58,7 +58,8 @@ class ModelConfig:
     draft_model: str | None = None
     #: drafter kind; detected from the drafter's config.json when unset
     draft_kind: str | None = None
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    #: "auto": the checkpoint's own dtype on a GPU (Metal, CUDA), float32 on a CPU (:mod:`mtpflow.backend.dtypes`)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
 
 
 def _check_tree(value) -> None:
@@ -144,7 +145,7 @@ class GenerationConfig:
     #: ``mx.async_eval`` cannot run ahead of the host; "on"; "off"
     submit_layers: Literal["auto", "on", "off"] = "auto"
     #: build the target's and the drafter's RMSNorm, RoPE and linear layers with fewer graph nodes
-    #: (:mod:`mtpflow.fusion`; the same values): "auto" = on a CPU device, where MLX runs RMSNorm
+    #: (:mod:`mtpflow.backend.fusion`; the same values): "auto" = on a CPU device, where MLX runs RMSNorm
     #: and RoPE as graphs of primitives; "on"; "off" (mlx-lm's own modules)
     fuse_ops: Literal["auto", "on", "off"] = "auto"
 

@@ -3,7 +3,7 @@
 Most useful on Linux CPU, where the key question is whether MLX's fp32 matmuls
 run on OpenBLAS (a k-row verify costs about one row) or on the reference BLAS
 bundled in the ``mlx[cpu]`` wheel (k rows cost ~k times one row).  See
-:mod:`mtpflow._blas`.
+:mod:`mtpflow.backend.blas`.
 
 Importing this module does not import ``mlx``.
 """
@@ -20,7 +20,7 @@ from importlib import metadata
 from typing import Any, Sequence
 
 from mtpflow import __version__
-from mtpflow import _blas
+from mtpflow.backend import blas as _blas
 
 BENCH_K = 1024
 BENCH_N = 4096
@@ -83,7 +83,7 @@ def matmul_benchmark(
 def doctor_report(bench: bool = True, bench_iters: int = 15) -> dict[str, Any]:
     """Collect versions, platform, MLX device info, BLAS info and a benchmark.
 
-    Imports ``mlx``; call :func:`mtpflow._blas.ensure_fast_blas` before this
+    Imports ``mlx``; call :func:`mtpflow.backend.blas.ensure_fast_blas` before this
     (``main_doctor`` does) if the report should reflect the CLI's behaviour.
     """
     report: dict[str, Any] = {
@@ -131,7 +131,7 @@ def main_doctor(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
     ``args`` may be an argparse namespace (from a subparser set up with
     :func:`add_doctor_arguments`), a list of argument strings, or ``None``.
-    Calls :func:`mtpflow._blas.ensure_fast_blas` first (idempotent; reports
+    Calls :func:`mtpflow.backend.blas.ensure_fast_blas` first (idempotent; reports
     ``mlx_already_imported`` if the caller imported mlx too early).
     """
     if args is None or not isinstance(args, argparse.Namespace):

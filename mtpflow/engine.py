@@ -80,6 +80,8 @@ class Session:
     default_draft: Any = None
     #: prefix caching across requests (``[batch] prefix_cache_mb``), or None
     prefix_cache: Any = None
+    #: the dtype the target and drafter run in (``[model] dtype`` resolved, see :mod:`mtpflow.backend.dtypes`)
+    dtype: str | None = None
 
     @property
     def hook(self):
@@ -100,7 +102,7 @@ class Session:
     def submit_layers(self) -> bool:
         """Whether a verify (and a draft model's forwards) starts each layer as
         it is built (``[generation] submit_layers``; "auto": on a CPU device)."""
-        return on_for_device(self.config.generation.submit_layers)
+        return on_for_device(self.config.generation.submit_layers, "submit_layers")
 
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
@@ -305,18 +307,16 @@ def check_moe_dtype(model_config: dict, dtype: str | None, path) -> None:
                         f"use --dtype float32 (dtype = \"float32\") instead of {dtype}")
 
 
-def on_for_device(mode: str) -> bool:
-    """An ``"auto"`` / ``"on"`` / ``"off"`` setting (``submit_layers``, ``fuse_ops``):
-    "auto" is on for a CPU device."""
-    if mode == "auto":
-        import mlx.core as mx
+def on_for_device(mode: str, tuning: str = "submit_layers") -> bool:
+    """An ``"auto"`` / ``"on"`` / ``"off"`` setting of ``tuning`` (``submit_layers``,
+    ``fuse_ops``): "auto" is the current device's profile (:mod:`mtpflow.backend.profiles`)."""
+    from .backend.profiles import tuning_on
 
-        return mx.default_device() == mx.cpu
-    return mode == "on"
+    return tuning_on(tuning, mode)
 
 
 def fusable_modules(target, drafter=None) -> list:
-    """The ``nn.Module`` trees :mod:`mtpflow.fusion` may fuse: the target's
+    """The ``nn.Module`` trees :mod:`mtpflow.backend.fusion` may fuse: the target's
     model and the drafter's (its ``model``: a module, or a draft model's
     target adapter)."""
     import mlx.nn as nn
@@ -410,11 +410,14 @@ def load_session(
     if config.draft.head != "auto":
         plugins.lm_heads.get(config.draft.head)
 
-    target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
+    from .backend import dtypes
+
+    dtype = dtypes.resolve_dtype(mc.dtype, tpath, tcfg)  # "auto": the checkpoint's on a GPU, float32 on a CPU
+    target = target_cls.from_path(tpath, tcfg, dtype=dtype)
     drafter = None
     if drafter_cls is not None:
         opts = DrafterOptions(
-            plugins=plugins, dtype=mc.dtype, position_convention=config.draft.position, head=config.draft.head,
+            plugins=plugins, dtype=dtype, position_convention=config.draft.position, head=config.draft.head,
             settings=plugins.settings_for(kind, drafter_cls, config), config=config,
         )
         drafter = drafter_cls.load(dpath, target, opts)
@@ -422,9 +425,9 @@ def load_session(
         if why:
             raise PluginError(f"drafter kind {kind!r}: {why}")
 
-    from . import fusion
+    from .backend import fusion
 
-    if on_for_device(config.generation.fuse_ops):
+    if on_for_device(config.generation.fuse_ops, "fuse_ops"):
         for m in fusable_modules(target, drafter):
             fusion.fuse(m)
 
@@ -446,6 +449,7 @@ def load_session(
         batch_policy=plugins.build("batch_policies", config.batch.policy, config, config),
         default_draft=default_draft,
         prefix_cache=_prefix_cache(config),
+        dtype=dtypes.ran_dtype(target, tcfg, dtype),
         log=log if log is not None else round_logger(),
     )
     bind = getattr(session.sampler, "bind_session", None)

@@ -132,4 +132,6 @@ def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
     if policy:
         parts.append(f"policy {policy}")
     parts.append(f"blocks {blocks}")
+    if stats.get("dtype"):
+        parts.append(str(stats["dtype"]))
     return "[" + ", ".join(parts) + "]"

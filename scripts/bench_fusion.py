@@ -1,5 +1,5 @@
 """mlx-lm and mtpflow's null path, each on mlx-lm's own modules and on the fused ones
-(:mod:`mtpflow.fusion`), the four interleaved in one process in shuffled order (one
+(:mod:`mtpflow.backend.fusion`), the four interleaved in one process in shuffled order (one
 shared model), so a noisy host drifts the same way for all four.
 
     python scripts/bench_fusion.py [REPEATS] [TARGET]
@@ -16,13 +16,14 @@ import statistics
 import sys
 import time
 
-from mtpflow._blas import ensure_fast_blas
+from mtpflow.backend.blas import ensure_fast_blas
 
 ensure_fast_blas()
 
 from bench_submit_layers import FIXTURE, batch_one_engines  # noqa: E402
 
-from mtpflow import bench, fusion  # noqa: E402
+from mtpflow import bench
+from mtpflow.backend import fusion  # noqa: E402
 from mtpflow.engine import fusable_modules  # noqa: E402
 
 

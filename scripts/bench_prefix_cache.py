@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
-    from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.blas import ensure_fast_blas
 
     ensure_fast_blas()
     from mtpflow.bench import load_prompt_texts

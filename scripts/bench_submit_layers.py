@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from mtpflow._blas import ensure_fast_blas
+from mtpflow.backend.blas import ensure_fast_blas
 
 ensure_fast_blas()
 

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.context < 1:
         p.error("--repeats and --context must be >= 1")
 
-    from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.blas import ensure_fast_blas
 
     ensure_fast_blas()
     import mlx.core as mx

@@ -3,7 +3,7 @@
 #
 # 1. System BLAS: as root with apt-get (Debian/Ubuntu), install OpenBLAS
 #    (libopenblas0-pthread) so MLX's CPU matmuls use it instead of the slow
-#    reference BLAS bundled in the mlx[cpu] wheel (see mtpflow/_blas.py).
+#    reference BLAS bundled in the mlx[cpu] wheel (see mtpflow/backend/blas.py).
 #    Skipped, with a message, when not root, when apt-get is missing, or when
 #    MTPFLOW_SKIP_APT=1.
 # 2. pip install -e . (plus the extras named in MTPFLOW_EXTRAS, e.g. "test"),

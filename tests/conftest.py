@@ -1,8 +1,8 @@
 import os
 
-from mtpflow._blas import ensure_fast_blas
+from mtpflow.backend.blas import ensure_fast_blas
 
-# OpenBLAS must be loaded before anything imports mlx (see mtpflow/_blas.py)
+# OpenBLAS must be loaded before anything imports mlx (see mtpflow/backend/blas.py)
 ensure_fast_blas()
 # tests never autoload third-party plugins; they register what they need
 os.environ.setdefault("MTPFLOW_DISABLE_PLUGIN_AUTOLOAD", "1")

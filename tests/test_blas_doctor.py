@@ -1,4 +1,4 @@
-"""Tests for mtpflow._blas (OpenBLAS preloading) and mtpflow.doctor.
+"""Tests for mtpflow.backend.blas (OpenBLAS preloading) and mtpflow.doctor.
 
 The BLAS checks run in fresh subprocesses: whether MLX binds to OpenBLAS is
 decided once per process, when ``libmlx.so`` is loaded, so only a new process
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpflow import _blas
+from mtpflow.backend import blas as _blas
 
 REPO = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -81,7 +81,7 @@ def openblas_path() -> str:
 # then the doctor subcommand.
 CLI_SEQUENCE = """
     import sys
-    from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.blas import ensure_fast_blas
     ensure_fast_blas()
     from mtpflow.doctor import main_doctor
     sys.exit(main_doctor(["--iters", "3"]))
@@ -118,11 +118,11 @@ def test_imports_have_no_side_effects():
     proc = _run(
         """
         import sys, json
-        import mtpflow._blas, mtpflow.doctor
+        import mtpflow.backend.blas, mtpflow.doctor
         maps = open("/proc/self/maps").read() if sys.platform.startswith("linux") else ""
         print(json.dumps({"mlx": any(m == "mlx" or m.startswith("mlx.") for m in sys.modules),
                           "openblas": "openblas" in maps,
-                          "state": mtpflow._blas._STATE}))
+                          "state": mtpflow.backend.blas._STATE}))
         """
     )
     out = _json_from(proc)
@@ -167,7 +167,7 @@ def test_too_late_is_reported_not_pretended(openblas_path):
             """
             import json
             import mlx.core as mx
-            from mtpflow import _blas
+            from mtpflow.backend import blas as _blas
             r = _blas.ensure_fast_blas()
             mx.eval(mx.ones((2, 2)) @ mx.ones((2, 2)))
             print(json.dumps({"ensure": r, "info": _blas.blas_info()}))
@@ -187,7 +187,7 @@ def test_reexec_with_ld_preload_fallback(openblas_path):
             """
             import json
             import mlx.core as mx
-            from mtpflow import _blas
+            from mtpflow.backend import blas as _blas
             if _blas.ensure_fast_blas()["status"] == "mlx_already_imported":
                 _blas.reexec_with_preload()  # does not return
             mx.eval(mx.ones((2, 2)) @ mx.ones((2, 2)))

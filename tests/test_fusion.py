@@ -1,4 +1,4 @@
-"""mtpflow.fusion: fused RMSNorm / RoPE and lean linear layers give mlx-lm's values bit for bit, with fewer graph nodes."""
+"""mtpflow.backend.fusion: fused RMSNorm / RoPE and lean linear layers give mlx-lm's values bit for bit, with fewer graph nodes."""
 
 import io
 import re
@@ -12,7 +12,7 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.rope_utils import initialize_rope
 
 from conftest import FIXTURES, prompt
-from mtpflow import fusion
+from mtpflow.backend import fusion
 
 
 def bits(a):

@@ -25,7 +25,7 @@ PAIR_E = FIXTURES / "pair_e" / "target"
 
 SCRIPT = textwrap.dedent("""
     import json, sys
-    from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.blas import ensure_fast_blas
     ensure_fast_blas()
     from mtpflow.train.loop import train
     from mtpflow.train.parallel import world

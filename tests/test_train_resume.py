@@ -173,7 +173,7 @@ def test_a_cut_log_line_is_dropped_and_the_run_resumes_to_the_same_losses(straig
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.blas import ensure_fast_blas
     ensure_fast_blas()
     import mtpflow.train.data as data
     from mtpflow.train.loop import train

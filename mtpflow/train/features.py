@@ -624,7 +624,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .._blas import ensure_fast_blas
+    from ..backend.blas import ensure_fast_blas
 
-    ensure_fast_blas()  # before mlx is imported (see mtpflow/_blas.py)
+    ensure_fast_blas()  # before mlx is imported (see mtpflow/backend/blas.py)
     sys.exit(main())

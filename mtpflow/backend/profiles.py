@@ -1,0 +1,114 @@
+"""Which tuning runs on which device: one row per device kind, each value with
+the measurement (or the reason, where none exists yet) behind it.
+
+A ``[generation]`` tuning set to ``"auto"`` (``submit_layers``, ``fuse_ops``)
+takes its device's value from :data:`PROFILES`; ``"on"`` / ``"off"`` force it.
+The BLAS preload (:mod:`mtpflow.backend.blas`) runs before ``mlx`` is
+imported, so before the device is known: it is cheap and harmless where the
+CPU backend does no matmuls, and the table records that it matters on the CPU
+only.
+
+The GPU rows are not measured yet (no Metal or CUDA figures exist for these
+tunings); ``mtpflow bench --preset device`` times each tuning on and off on the
+device it runs on, so a measured row replaces the reasoned one.
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+
+@frozen(kw_only=True)
+class Profile:
+    """The tunings of one device kind, and why each is what it is."""
+
+    device: str
+    #: a verify starts each decoder layer as it is built (``mx.async_eval``)
+    submit_layers: bool
+    #: RMSNorm / RoPE through ``mx.compile``d fallbacks, linear layers on a kept transpose
+    fuse_ops: bool
+    #: OpenBLAS instead of the reference BLAS bundled in the mlx[cpu] Linux wheel
+    blas_preload: bool
+    #: mtpflow's own elementwise chains (final-logit softcapping) as one ``mx.compile``d node
+    compile_elementwise: bool
+    #: ``{tuning: the measurement or reason}``
+    why: dict
+
+
+PROFILES: dict[str, Profile] = {
+    "cpu": Profile(
+        device="cpu",
+        submit_layers=True,
+        fuse_ops=True,
+        blas_preload=True,
+        compile_elementwise=True,
+        why={
+            "submit_layers": "measured (docs/benchmarks.md (r)): MLX's CPU stream keeps ~10 ops in flight, so "
+                             "async_eval cannot run ahead; submitting each layer lifted the fixture's null path "
+                             "from 0.924x to 0.972x mlx-lm at batch 1",
+            "fuse_ops": "measured (docs/benchmarks.md (t)): no CPU kernel for mx.fast.rms_norm / rope; a fixture "
+                        "token's graph went from 987 to 521 nodes, null path 0.942x -> 1.500x mlx-lm at batch 1",
+            "blas_preload": "measured (docs/benchmarks.md (g)): the wheel's reference sgemm makes 8 rows cost ~8x "
+                            "one row; OpenBLAS makes a 4-token verify cost ~1.2x one token",
+            "compile_elementwise": "one node instead of three per softcap call; mlx-lm compiles its own too",
+        },
+    ),
+    "metal": Profile(
+        device="metal",
+        submit_layers=False,
+        fuse_ops=False,
+        blas_preload=False,
+        compile_elementwise=True,
+        why={
+            "submit_layers": "not measured on Metal: async_eval already runs ahead of the host on a GPU stream",
+            "fuse_ops": "not measured on Metal: mx.fast.rms_norm and mx.fast.rope are one kernel each there, "
+                        "which a compiled fallback would replace by a longer chain",
+            "blas_preload": "matmuls run on the GPU (MPS / Metal kernels), not through cblas",
+            "compile_elementwise": "not measured on Metal: a forward is launch-bound, so one kernel per chain "
+                                   "instead of one per op",
+        },
+    ),
+    "cuda": Profile(
+        device="cuda",
+        submit_layers=False,
+        fuse_ops=False,
+        blas_preload=False,
+        compile_elementwise=True,
+        why={
+            "submit_layers": "not measured on CUDA: async_eval already runs ahead of the host on a GPU stream",
+            "fuse_ops": "not measured on CUDA: mx.fast.rms_norm and mx.fast.rope are one kernel each there",
+            "blas_preload": "matmuls run through cuBLAS on the GPU, not through cblas",
+            "compile_elementwise": "not measured on CUDA: a forward is launch-bound (hundreds of small kernels "
+                                   "per token on an H200), so one kernel per chain instead of one per op",
+        },
+    ),
+}
+
+#: the tunings a ``[generation]`` setting may leave to the profile
+TUNINGS = ("submit_layers", "fuse_ops", "compile_elementwise")
+
+
+def device_kind() -> str:
+    """``"cpu"``, ``"metal"`` or ``"cuda"``: the kind of MLX's default device."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda"
+
+
+def current() -> Profile:
+    """The profile of MLX's default device."""
+    return PROFILES[device_kind()]
+
+
+def tuning_on(name: str, mode: str = "auto") -> bool:
+    """Whether tuning ``name`` runs: ``mode`` ``"on"`` / ``"off"``, or
+    ``"auto"``: the current device's profile."""
+    if name not in TUNINGS:
+        raise ValueError(f"unknown tuning {name!r}; known: {', '.join(TUNINGS)}")
+    if mode == "auto":
+        return bool(getattr(current(), name))
+    return mode == "on"
