@@ -322,6 +322,11 @@ def load_session(
 
         plugins = make_plugin_manager(list(extra_plugins or []) + list(config.plugins.load))
     plugins = plugins or get_plugins()
+    with plugins.active():  # drafter checks and loaders use these plugins, not the process-wide ones
+        return _load_session(config, plugins, log, load_tokenizer)
+
+
+def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bool) -> Session:
     plugins.check_settings(config)
     mc = config.model
     if mc.model is None:

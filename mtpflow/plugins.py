@@ -15,6 +15,8 @@ Operators control loading with environment variables:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import warnings
@@ -166,6 +168,17 @@ class Plugins:
             )
         return obj
 
+    @contextlib.contextmanager
+    def active(self):
+        """Make these the plugins :func:`current_plugins` returns while a
+        session loads (drafter checks and loaders look their target adapter
+        up there, not in the process-wide manager)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
     def describe(self) -> list[dict]:
         """JSON-ready list: name, version, hooks of every plugin (like ``llm
         plugins``), and per registry the names it registered."""
@@ -274,6 +287,13 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
 
 
 _default: Plugins | None = None
+_ACTIVE: contextvars.ContextVar[Plugins | None] = contextvars.ContextVar("mtpflow_plugins", default=None)
+
+
+def current_plugins() -> Plugins:
+    """The plugins of the session being loaded (:meth:`Plugins.active`), else
+    the process-wide ones."""
+    return _ACTIVE.get() or get_plugins()
 
 
 def get_plugins() -> Plugins:
