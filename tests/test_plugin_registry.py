@@ -52,3 +52,56 @@ def test_a_drafter_check_sees_a_target_plugin_loaded_by_the_config(my_llama):
     assert type(s.target).__name__ == "MyLlama" and s.draft_kind == "eagle3"
     plain = load_session(load_config(overrides={"model": {"model": str(FIX / "target"), "draft_model": None}}))
     assert generate(s, IDS, max_tokens=12).tokens == generate(plain, IDS, max_tokens=12).tokens
+
+
+def test_register_hooks_are_historic_so_a_late_plugin_is_asked():
+    from mtpflow import hookimpl
+    from mtpflow.plugins import make_plugin_manager
+
+    pm = make_plugin_manager(autoload=False)
+    assert "late" not in pm.block_policies
+
+    class Late:
+        @hookimpl
+        def mtpflow_register_block_policies(self, register):
+            register("late", lambda config: None)
+
+    pm.register(Late(), name="late-plugin")
+    assert "late" in pm.block_policies and pm.block_policies.owner("late") == "late-plugin"
+    assert {"name": "late-plugin", "version": "unknown", "hooks": ["mtpflow_register_block_policies"],
+            "registered": {"block_policies": ["late"]}} in pm.describe()
+    pm.pm.register(type("Raw", (), {"mtpflow_register_samplers": hookimpl(lambda self, register: register("raw", dict))})())
+    assert "raw" in pm.samplers  # pluggy's own register applies the history too
+
+
+def test_a_late_plugin_whose_registration_fails_is_removed():
+    from mtpflow import hookimpl
+    from mtpflow.plugins import PluginError, make_plugin_manager
+
+    pm = make_plugin_manager(autoload=False)
+
+    class Dup:
+        @hookimpl
+        def mtpflow_register_samplers(self, register):
+            register("mine", dict)
+            register("greedy", dict)
+
+    with pytest.raises(PluginError, match="'dup' registers samplers 'greedy', already registered by plugin 'samplers'"):
+        pm.register(Dup(), name="dup")
+    assert "mine" not in pm.samplers and not pm.pm.has_plugin("dup")
+
+
+def test_a_plugin_with_no_hooks_gets_a_warning(tmp_path, monkeypatch):
+    from mtpflow.plugins import make_plugin_manager
+
+    (tmp_path / "classy_plugin.py").write_text(
+        "from mtpflow.api import hookimpl\n\n\nclass Plugin:\n    @hookimpl\n"
+        "    def mtpflow_register_samplers(self, register):\n        register('classy', dict)\n"
+    )
+    (tmp_path / "empty_plugin.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="'classy_plugin' implements no mtpflow hook .*methods of a class"):
+        pm = make_plugin_manager(["classy_plugin"], autoload=False)
+    assert "classy" not in pm.samplers
+    with pytest.warns(UserWarning, match="'empty_plugin' implements no mtpflow hook .*module-level functions"):
+        make_plugin_manager(["empty_plugin"], autoload=False)
