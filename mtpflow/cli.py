@@ -261,6 +261,9 @@ def _generate(args, cfg, log) -> int:
         draft_kind=session.draft_kind,
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
+        head=session.selection.get("head"),
+        sampler=session.selection.get("sampler"),
+        batch_policy=session.selection.get("batch_policy"),
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:

@@ -105,3 +105,69 @@ def test_a_plugin_with_no_hooks_gets_a_warning(tmp_path, monkeypatch):
     assert "classy" not in pm.samplers
     with pytest.warns(UserWarning, match="'empty_plugin' implements no mtpflow hook .*module-level functions"):
         make_plugin_manager(["empty_plugin"], autoload=False)
+
+
+def test_a_head_on_a_kind_without_heads_is_an_error_before_loading():
+    from conftest import make_session
+
+    from mtpflow.engine import LoadError
+
+    with pytest.raises(LoadError, match=r"^\[draft\] head = 'centroid': drafter kind 'ngram' has no LM head to replace"):
+        make_session("e", with_drafter=False, model={"draft_kind": "ngram"}, draft={"head": "centroid"})
+
+
+def test_a_dense_head_on_a_centroid_checkpoint_names_the_head_mismatch():
+    from conftest import make_session
+
+    from mtpflow.engine import LoadError
+
+    with pytest.raises(LoadError, match=r"head 'tied_dense' does not fit .*pair_e/drafter: the checkpoint was trained "
+                                        r"with the 'centroid' head") as info:
+        make_session("e", draft={"head": "tied_dense"})
+    assert "\n" not in str(info.value)
+
+
+def test_only_a_sampler_that_declares_tree_support_verifies_trees():
+    from mtpflow import api
+    from mtpflow.engine import Session
+
+    class Tree:
+        def propose_tree(self, session, state, shared, shape):
+            pass
+
+    class Plain:  # the Sampler protocol, not a subclass of a built-in sampler
+        def prepare(self, rows, vocab_size): ...
+        def first(self, logits, state): ...
+        def accept(self, logits, draft, state): ...
+
+    class Careful(Plain):
+        def supports_trees(self, state):
+            return state == "ok"
+
+    def session(drafter, sampler):
+        return Session(config=None, plugins=None, target=None, drafter=drafter, sampler=sampler)
+
+    assert not session(Tree(), Plain()).trees_supported("ok")
+    assert session(Tree(), Careful()).trees_supported("ok") and not session(Tree(), Careful()).trees_supported("no")
+    assert not session(object(), Careful()).trees_supported("ok")
+    assert api.capabilities(Careful()) == ["TreeSampler"] and api.capabilities(Tree()) == ["TreeDrafter"]
+    assert api.has(api.RejectionSampler(load_config()), api.TreeSampler)
+
+
+def test_the_stats_line_and_json_name_what_ran(capsys):
+    from conftest import FIXTURES
+
+    from mtpflow.cli import main
+
+    pair = FIXTURES / "pair_e"
+    argv = ["generate", "--model", str(pair / "target"), "--draft-model", str(pair / "drafter"), "--prompt", "hi",
+            "--max-tokens", "4"]
+    capsys.readouterr()
+    assert main(argv + ["--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert {k: stats[k] for k in ("draft_kind", "head", "sampler", "block_policy", "batch_policy")} == {
+        "draft_kind": "mtp", "head": "centroid", "sampler": "rejection", "block_policy": "adaptive",
+        "batch_policy": "static"}
+    assert main(argv + ["--draft-kind", "ngram", "--draft-model", "", "--draft-block-size", "3"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "drafter ngram, sampler rejection, policy fixed, batch static" in line and "head" not in line
