@@ -97,10 +97,7 @@ class Sampler(Protocol):
     def accept(self, logits: Any, draft: DraftBlock, state: BatchState) -> AcceptResult:
         """Accepted counts and emitted tokens from ``[B, k+1, V]`` target logits."""
 
-    # Optional: ``lookahead_safe(state) -> bool``: whether a round that drafts
-    # nothing may build the next one on this round's lazy tokens, before they
-    # reach the host (false when the sampling reads host-side history:
-    # processors, repetition penalties, grammars).  Absent: never.
+    # Optional capabilities: TreeSampler, LookaheadSafe, SessionBound (below).
 
 
 @runtime_checkable
@@ -129,21 +126,11 @@ class Drafter(Protocol):
     extend its class's set once it knows its checkpoint); the stages compute
     only what some drafter needs.
 
-    Optional members: ``check(target_config, drafter_config)`` (raise on a
-    mismatch, before any weight is read), ``recommended_block_size(config,
-    path)``, ``max_block_size(config)`` (the largest block a block drafter
-    was trained for), ``matches(config)`` (recognise a checkpoint whose
-    ``model_type`` is not the drafter's own), ``drafts_to_budget`` (draft up
-    to the remaining token budget rather than leaving room for the bonus
-    token), ``settings`` (see the module docstring), and on instances
-    ``prefilled(session, state)`` (new rows, with the prompt's target
-    layers) and ``commit(session, state, accepted)``, called once per round
-    after acceptance with the host-side :class:`AcceptResult`, for drafters
-    that keep state of their own (a KV cache to roll back), and
-    ``propose_tree(session, state, shared, shape)`` returning a tree
-    :class:`DraftBlock` for a :class:`~mtpflow.state.TreeShape` (a drafter
-    without it drafts chains; :class:`mtpflow.drafters.base.TreeBuilder`
-    grows one level by level from per-node draft logits).
+    Optional capabilities (the protocols below): :class:`TreeDrafter`,
+    :class:`PrefillingDrafter`, :class:`CommittingDrafter`,
+    :class:`CheckedDrafter`, :class:`RecognisingDrafter`,
+    :class:`BlockSizeHint`, :class:`BlockDrafter`, :class:`BudgetDrafter`,
+    :class:`HeadedDrafter`; and ``settings`` (see the module docstring).
     """
 
     model_types: tuple[str, ...]
@@ -165,10 +152,7 @@ class BlockPolicy(Protocol):
     def observe(self, record: RoundRecord) -> None:
         """Called after every round with its record (plain numbers)."""
 
-    # Optional: ``peek(stats) -> int | None``: what the next ``block_size`` call
-    # will most likely return, with no side effects (``None``: no guess).  When
-    # it says 1, a round that drafts nothing builds the next one before its
-    # sync; a wrong guess costs one verify, never a token.
+    # Optional capability: PeekingBlockPolicy (below).
 
 
 @runtime_checkable
@@ -211,6 +195,154 @@ class Target(Protocol):
     def shared_kv(self, cache: list) -> dict: ...
 
     def compact(self, cache: list, n_valid_max: int, min_positions: list[int]) -> None: ...
+
+
+# --------------------------------------------------------------------------------------
+# optional capabilities: an object has one when it has the capability's members;
+# the host asks ``isinstance(obj, Capability)`` and nothing else (docs/plugins.md)
+# --------------------------------------------------------------------------------------
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """A drafter that drafts token trees (a drafter without it drafts chains).
+
+    :class:`mtpflow.drafters.base.TreeBuilder` grows a tree level by level
+    from per-node draft logits.  Trees are verified only when the sampler is
+    a :class:`TreeSampler` too.
+    """
+
+    def propose_tree(self, session: Any, state: BatchState, shared: SharedKV, shape: Any) -> DraftBlock:
+        """A tree :class:`DraftBlock` for a :class:`~mtpflow.state.TreeShape`."""
+
+
+@runtime_checkable
+class PrefillingDrafter(Protocol):
+    """A drafter with state of its own that takes in new rows' prompts (the
+    prefix cache is off for it: it must see every prompt)."""
+
+    def prefilled(self, session: Any, state: BatchState) -> None:
+        """New rows were prefilled; ``state`` carries the prompt's target layers."""
+
+
+@runtime_checkable
+class CommittingDrafter(Protocol):
+    """A drafter with state of its own (a KV cache to roll back)."""
+
+    def commit(self, session: Any, state: BatchState, accepted: AcceptResult) -> None:
+        """Called once per round after acceptance, with the host-side result."""
+
+
+@runtime_checkable
+class CheckedDrafter(Protocol):
+    """A drafter kind that checks a drafter/target pair before any weight is read."""
+
+    @classmethod
+    def check(cls, target_config: dict, drafter_config: dict) -> Any:
+        """Raise :class:`~mtpflow.errors.IncompatibleDrafter` on a mismatch
+        (may take ``drafter_path=`` as well)."""
+
+
+@runtime_checkable
+class RecognisingDrafter(Protocol):
+    """A drafter kind that recognises checkpoints whose ``model_type`` is not its own."""
+
+    @classmethod
+    def matches(cls, config: dict) -> bool: ...
+
+
+@runtime_checkable
+class BlockSizeHint(Protocol):
+    """A drafter kind that recommends a block size for a checkpoint."""
+
+    @classmethod
+    def recommended_block_size(cls, config: dict, path: Any = None) -> int | None: ...
+
+
+@runtime_checkable
+class BlockDrafter(Protocol):
+    """A block drafter trained for blocks up to a size: that is the ceiling."""
+
+    @classmethod
+    def max_block_size(cls, config: dict) -> int | None: ...
+
+
+@runtime_checkable
+class BudgetDrafter(Protocol):
+    """``drafts_to_budget = True``: draft up to the remaining token budget
+    rather than leaving room for the bonus token."""
+
+    drafts_to_budget: bool
+
+
+@runtime_checkable
+class HeadedDrafter(Protocol):
+    """A drafter kind whose LM head is a registered head (``[draft] head``
+    selects another; on other kinds it is an error)."""
+
+    @classmethod
+    def head_of(cls, config: dict) -> str:
+        """The registered name of the head the checkpoint was trained with."""
+
+
+@runtime_checkable
+class TreeSampler(Protocol):
+    """A sampler that can verify trees (a sampler without it never sees one)."""
+
+    def supports_trees(self, state: BatchState) -> bool:
+        """Whether this round's rows may verify a tree (false when processing
+        reads the drafts' history)."""
+
+
+@runtime_checkable
+class LookaheadSafe(Protocol):
+    """A sampler, or a plugin implementing a verify/accept/advance stage, that
+    copes with the next round's verify and accept arriving before this
+    round's advance and emit (the null path's lookahead; absent: never)."""
+
+    def lookahead_safe(self, state: BatchState) -> bool: ...
+
+
+@runtime_checkable
+class SessionBound(Protocol):
+    """A sampler that reads the session (bound once, after loading)."""
+
+    def bind_session(self, session: Any) -> None: ...
+
+
+@runtime_checkable
+class PeekingBlockPolicy(Protocol):
+    """A block policy that can say what its next ``block_size`` will most
+    likely be, with no side effects (``None``: no guess).  When it says 1, a
+    round that drafts nothing builds the next one before its sync; a wrong
+    guess costs one verify, never a token."""
+
+    def peek(self, stats: Any) -> int | None: ...
+
+
+#: kind -> the optional capabilities the host looks for on what it registers or builds
+CAPABILITIES: dict[str, tuple[type, ...]] = {
+    "drafters": (TreeDrafter, PrefillingDrafter, CommittingDrafter, CheckedDrafter, RecognisingDrafter,
+                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter),
+    "samplers": (TreeSampler, LookaheadSafe, SessionBound),
+    "block_policies": (PeekingBlockPolicy,),
+}
+
+
+_MEMBERS: dict = {}
+
+
+def has(obj: Any, capability: type) -> bool:
+    """Whether ``obj`` has the ``capability`` (one of the protocols above):
+    ``isinstance(obj, capability)``, at the cost of one ``getattr`` per
+    member, so the round loop may ask every round."""
+    members = _MEMBERS.get(capability)
+    if members is None:
+        members = _MEMBERS[capability] = tuple(protocol_members(capability))
+    return all(getattr(obj, m, None) is not None for m in members)
+
+
+def capabilities(obj: Any) -> list[str]:
+    """The names of the optional capabilities ``obj`` has."""
+    return sorted({p.__name__ for ps in CAPABILITIES.values() for p in ps if has(obj, p)})
 
 
 class KindSpec:
@@ -317,6 +449,9 @@ def __getattr__(name: str):
 __all__ = [
     "hookimpl", "KINDS", "KindSpec", "NEEDS", "check_needs", "needed_layers", "protocol_members",
     "LMHead", "Sampler", "LogitsProcessor", "Drafter", "BlockPolicy", "BatchPolicy", "Target",
+    "CAPABILITIES", "capabilities", "has", "TreeDrafter", "PrefillingDrafter", "CommittingDrafter", "CheckedDrafter",
+    "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "TreeSampler",
+    "LookaheadSafe", "SessionBound", "PeekingBlockPolicy",
     "AcceptResult", "BatchState", "DraftBlock", "KVView", "Request", "RoundRecord", "RowState", "SamplingParams",
     "SharedKV", "VerifyResult", *sorted(_LAZY),
 ]

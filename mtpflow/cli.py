@@ -264,6 +264,9 @@ def _generate(args, cfg, log) -> int:
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
         dtype=session.dtype,
+        head=session.selection.get("head"),
+        sampler=session.selection.get("sampler"),
+        batch_policy=session.selection.get("batch_policy"),
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:

@@ -20,7 +20,11 @@ from .config import FALLBACK_BLOCK_SIZE, Config, DraftConfig
 from .drafters.base import recommended_block_size
 from .logs import round_logger
 from .metrics import SpecDecodingStats
-from .api import check_needs
+from .api import (
+    BlockDrafter, BlockSizeHint, CheckedDrafter, CommittingDrafter, HeadedDrafter, RecognisingDrafter, SessionBound,
+    TreeDrafter, TreeSampler, check_needs, has,
+)
+from .errors import TargetError
 from .plugins import Plugins, PluginError, get_plugins
 from .state import Request, SamplingParams
 
@@ -82,6 +86,9 @@ class Session:
     prefix_cache: Any = None
     #: the dtype the target and drafter run in (``[model] dtype`` resolved, see :mod:`mtpflow.backend.dtypes`)
     dtype: str | None = None
+    #: the registered names this session runs: drafter_kind, head, sampler,
+    #: block_policy, batch_policy (``None``: no drafter, or a kind without heads)
+    selection: dict = field(factory=dict)
 
     @property
     def hook(self):
@@ -91,7 +98,7 @@ class Session:
     def tap_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states the drafter reads (``"layer:N"`` needs)."""
         global _taps_memo
-        needs = getattr(self.drafter, "needs", ()) or ()
+        needs = self.drafter.needs if self.drafter is not None else ()
         if _taps_memo[0] is not needs:  # asked every round: one entry per needs object
             from .api import needed_layers
 
@@ -107,13 +114,12 @@ class Session:
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
         a sampler whose processing does not read the drafts' history."""
-        supports = getattr(self.sampler, "supports_trees", None)
-        return hasattr(self.drafter, "propose_tree") and (supports is None or supports(state))
+        return has(self.drafter, TreeDrafter) and has(self.sampler, TreeSampler) and self.sampler.supports_trees(state)
 
     @property
     def drafter_commit(self):
         """The drafter's ``commit(session, state, accepted)``, or ``None``."""
-        return getattr(self.drafter, "commit", None)
+        return self.drafter.commit if has(self.drafter, CommittingDrafter) else None
 
     @property
     def max_block_size(self) -> int:
@@ -232,8 +238,7 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
         return requested
     detected = None
     for name, cls in plugins.drafters.items():  # a kind that recognises the config itself comes first
-        matches = getattr(cls, "matches", None)
-        if matches is not None and matches(drafter_config):
+        if has(cls, RecognisingDrafter) and cls.matches(drafter_config):
             detected = name
             break
     if detected is None and drafter_config.get("speculators_model_type") is not None:
@@ -242,7 +247,7 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
             "kind runs it (mtpflow runs speculators_model_type 'eagle3')"
         )
     for name, cls in plugins.drafters.items() if detected is None else ():
-        if mt in getattr(cls, "model_types", ()):
+        if mt in cls.model_types:
             detected = name
             break
     if detected is None:
@@ -270,10 +275,11 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     block = d.block_size
     if block is None:
         if drafter_cls is not None and drafter_config is not None:
-            block = getattr(drafter_cls, "recommended_block_size", recommended_block_size)(drafter_config, drafter_path)
+            hint = drafter_cls.recommended_block_size if has(drafter_cls, BlockSizeHint) else recommended_block_size
+            block = hint(drafter_config, drafter_path)
         block = block or FALLBACK_BLOCK_SIZE
     ceiling = d.max_block_size
-    limit = getattr(drafter_cls, "max_block_size", None) if drafter_config is not None else None
+    limit = drafter_cls.max_block_size if drafter_config is not None and has(drafter_cls, BlockDrafter) else None
     if limit is not None and limit(drafter_config):
         # a block drafter was trained for blocks up to its own size: that is the
         # ceiling (its draft cost barely grows with the block, so it may pay)
@@ -329,6 +335,27 @@ def fusable_modules(target, drafter=None) -> list:
     return out
 
 
+def _head_name(head: str, drafter_cls, dcfg: dict | None) -> str | None:
+    """The registered head the drafter runs (``None``: a kind without heads)."""
+    if drafter_cls is None or not has(drafter_cls, HeadedDrafter):
+        return None
+    return head if head != "auto" or dcfg is None else drafter_cls.head_of(dcfg)
+
+
+def _head_mismatch(head: str, drafter_cls, dcfg: dict | None, dpath) -> LoadError | None:
+    """The error for a ``[draft] head`` whose weights the checkpoint lacks, or
+    ``None`` when the checkpoint's own head was used."""
+    if head == "auto" or dcfg is None or not has(drafter_cls, HeadedDrafter):
+        return None
+    own = drafter_cls.head_of(dcfg)
+    if own == head:
+        return None
+    return LoadError(
+        f"[draft] head {head!r} does not fit {dpath}: the checkpoint was trained with the {own!r} head "
+        f"and holds its weights; set [draft] head = \"auto\" (or {own!r})"
+    )
+
+
 def load_session(
     config: Config,
     plugins: Plugins | None = None,
@@ -351,6 +378,11 @@ def load_session(
 
         plugins = make_plugin_manager(list(extra_plugins or []) + list(config.plugins.load))
     plugins = plugins or get_plugins()
+    with plugins.active():  # drafter checks and loaders use these plugins, not the process-wide ones
+        return _load_session(config, plugins, log, load_tokenizer)
+
+
+def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bool) -> Session:
     plugins.check_settings(config)
     mc = config.model
     if mc.draft_kind is not None:
@@ -382,7 +414,7 @@ def load_session(
         dcfg = _read_config(dpath)
         kind = detect_draft_kind(plugins, dcfg, mc.draft_kind)
         drafter_cls = plugins.drafters.get(kind)
-        if hasattr(drafter_cls, "check"):
+        if has(drafter_cls, CheckedDrafter):
             check = drafter_cls.check  # before any weight is loaded
             if "drafter_path" in inspect.signature(check).parameters:
                 check(tcfg, dcfg, drafter_path=dpath)
@@ -409,6 +441,11 @@ def load_session(
     plugins.batch_policies.get(config.batch.policy)
     if config.draft.head != "auto":
         plugins.lm_heads.get(config.draft.head)
+        if drafter_cls is not None and not has(drafter_cls, HeadedDrafter):
+            raise LoadError(
+                f"[draft] head = {config.draft.head!r}: drafter kind {kind!r} has no LM head to replace; "
+                "remove [draft] head (or set it to \"auto\")"
+            )
 
     from .backend import dtypes
 
@@ -420,7 +457,13 @@ def load_session(
             plugins=plugins, dtype=dtype, position_convention=config.draft.position, head=config.draft.head,
             settings=plugins.settings_for(kind, drafter_cls, config), config=config,
         )
-        drafter = drafter_cls.load(dpath, target, opts)
+        try:
+            drafter = drafter_cls.load(dpath, target, opts)
+        except TargetError as exc:
+            mismatch = _head_mismatch(config.draft.head, drafter_cls, dcfg, dpath)
+            if mismatch is None:
+                raise
+            raise mismatch from exc
         why = check_needs(getattr(drafter, "needs", None))
         if why:
             raise PluginError(f"drafter kind {kind!r}: {why}")
@@ -450,11 +493,17 @@ def load_session(
         default_draft=default_draft,
         prefix_cache=_prefix_cache(config),
         dtype=dtypes.ran_dtype(target, tcfg, dtype),
+        selection={
+            "drafter_kind": kind,
+            "head": _head_name(config.draft.head, drafter_cls, dcfg),
+            "sampler": sampler_name,
+            "block_policy": config.draft.policy if drafter_cls is not None else None,
+            "batch_policy": config.batch.policy,
+        },
         log=log if log is not None else round_logger(),
     )
-    bind = getattr(session.sampler, "bind_session", None)
-    if bind is not None:
-        bind(session)
+    if has(session.sampler, SessionBound):
+        session.sampler.bind_session(session)
     return session
 
 

@@ -6,10 +6,12 @@ arguments; an implementation may accept fewer arguments than the spec offers.
 
 Two families of hooks exist:
 
-* **Registries** (``mtpflow_register_*``) are called once when the plugin
-  manager is built.  Each receives a ``register`` callback; the host owns the
-  names, rejects duplicates and checks the registered object's interface at
-  registration time.
+* **Registries** (``mtpflow_register_*``) are ``historic``: each plugin's
+  implementation is called once, when the plugin is added to the manager --
+  also a plugin added after the manager was built
+  (:meth:`mtpflow.plugins.Plugins.register`).  Each receives a ``register``
+  callback; the host owns the names, rejects duplicates and checks the
+  registered object's interface at registration time.
 * **Round stages** (``mtpflow_prefill`` … ``mtpflow_emit``) make up one
   speculative round, see :func:`mtpflow_round_protocol`.  Stage hooks are
   ``firstresult``: the built-in implementations live in
@@ -208,7 +210,7 @@ def mtpflow_emit(session: Session, record: RoundRecord, emitted: dict[str, list[
 # --------------------------------------------------------------------------------------
 # Registries
 # --------------------------------------------------------------------------------------
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_lm_heads(register: Register) -> None:
     """Register drafter LM heads (selected by ``[draft] head``, default: the checkpoint's).
 
@@ -225,7 +227,7 @@ def mtpflow_register_lm_heads(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_samplers(register: Register) -> None:
     """Register acceptance samplers (``[sampling] sampler``).
 
@@ -241,7 +243,7 @@ def mtpflow_register_samplers(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_logits_processors(register: Register) -> None:
     """Register logits processors (``[sampling] processors = [...]`` in a config).
 
@@ -260,7 +262,7 @@ def mtpflow_register_logits_processors(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_drafters(register: Register) -> None:
     """Register drafter kinds (``--draft-kind``).
 
@@ -282,7 +284,7 @@ def mtpflow_register_drafters(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_batch_policies(register: Register) -> None:
     """Register batch policies (``[batch] policy``: which requests decode together).
 
@@ -297,7 +299,7 @@ def mtpflow_register_batch_policies(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_block_policies(register: Register) -> None:
     """Register block-size policies (``[draft] policy``).
 
@@ -310,7 +312,7 @@ def mtpflow_register_block_policies(register: Register) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def mtpflow_register_targets(register: Register) -> None:
     """Register target adapters by HF ``model_type``.
 

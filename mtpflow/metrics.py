@@ -116,8 +116,9 @@ class SpecDecodingStats:
 
 def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
     """The CLI's one-line summary of ``tokens`` generated: every number with the same formatting,
-    acceptance ``-`` when nothing was drafted, the policy and the block
-    sizes it ran (``size×rounds``)."""
+    acceptance ``-`` when nothing was drafted, what ran (drafter kind, head,
+    sampler, block policy, batch policy, as far as ``stats`` names them) and
+    the block sizes it ran (``size×rounds``)."""
 
     def num(x, nd=2):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -129,8 +130,13 @@ def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
         f"tau {num(stats.get('tau'))}",
         f"acceptance {num(stats.get('acceptance_rate'))}",
     ]
+    for key, label in (("draft_kind", "drafter"), ("head", "head"), ("sampler", "sampler")):
+        if stats.get(key):
+            parts.append(f"{label} {stats[key]}")
     if policy:
         parts.append(f"policy {policy}")
+    if stats.get("batch_policy"):
+        parts.append(f"batch {stats['batch_policy']}")
     parts.append(f"blocks {blocks}")
     if stats.get("dtype"):
         parts.append(str(stats["dtype"]))

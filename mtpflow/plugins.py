@@ -15,6 +15,8 @@ Operators control loading with environment variables:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import warnings
@@ -84,6 +86,11 @@ class Registry:
             )
         self._items[name] = obj
         self._owner[name] = self._current_plugin
+
+    def forget(self, plugin: str) -> None:
+        """Drop every name ``plugin`` registered."""
+        for name in [n for n, owner in self._owner.items() if owner == plugin]:
+            del self._items[name], self._owner[name]
 
     def get(self, name: str) -> Any:
         try:
@@ -166,6 +173,50 @@ class Plugins:
             )
         return obj
 
+    def register(self, plugin: Any, name: str | None = None, version: str = "unknown") -> None:
+        """Add ``plugin`` (a module or object with ``mtpflow_*`` hooks): its
+        register hooks run now and fill the registries (they are historic),
+        its round-stage hooks join the next round.  A plugin whose
+        registrations fail is removed again and the error raised; a plugin
+        implementing no mtpflow hook gets a warning (it can do nothing)."""
+        for reg in self.registries.values():
+            reg._current_plugin = name or "?"
+        try:
+            name = self.pm.register(plugin, name=name)
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self._drop(plugin)
+            raise PluginError(f"plugin {name!r} implements an unknown or invalid hook: {exc}") from exc
+        except BaseException:
+            self._drop(plugin)
+            raise
+        finally:
+            for reg in self.registries.values():
+                reg._current_plugin = "?"
+        self.versions[name] = version
+        if not self.pm.get_hookcallers(plugin):
+            warnings.warn(_no_hooks_message(name, plugin), stacklevel=3)
+
+    def _drop(self, plugin: Any) -> None:
+        """Unregister ``plugin`` and forget what it registered."""
+        name = self.pm.get_name(plugin)
+        if name is None:
+            return
+        self.pm.unregister(plugin)
+        for reg in self.registries.values():
+            reg.forget(name)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make these the plugins :func:`current_plugins` returns while a
+        session loads (drafter checks and loaders look their target adapter
+        up there, not in the process-wide manager)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
     def describe(self) -> list[dict]:
         """JSON-ready list: name, version, hooks of every plugin (like ``llm
         plugins``), and per registry the names it registered."""
@@ -181,6 +232,14 @@ class Plugins:
                     registered[kind] = names
             out.append({"name": name, "version": self.versions.get(name), "hooks": hooks, "registered": registered})
         return out
+
+
+def _no_hooks_message(name: str, plugin: Any) -> str:
+    msg = f"mtpflow plugin {name!r} implements no mtpflow hook and does nothing"
+    classes = [v for v in vars(plugin).values() if isinstance(v, type)] if isinstance(plugin, type(os)) else []
+    if any(k.startswith("mtpflow_") for c in classes for k in vars(c)):
+        return msg + "; its hooks are methods of a class: define them as module-level functions (see docs/plugins.md)"
+    return msg + "; define module-level functions named mtpflow_* decorated with @hookimpl"
 
 
 def _csv_env(name: str) -> set[str] | None:
@@ -200,16 +259,22 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
 
     ``extra`` holds plugin objects or importable module names (from a config);
     a failure there is an error naming the plugin.  A broken auto-discovered
-    plugin is a warning and is skipped.
+    plugin is a warning and is skipped.  The registries are filled as each
+    plugin is added (the register hooks are ``historic``), so
+    :meth:`Plugins.register` adds a plugin later the same way.
     """
+    from . import __version__
+    from .api import KINDS
+
     pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
     pm.add_hookspecs(hookspecs)
-    versions: dict[str, str] = {}
-    from . import __version__
+    registries = {kind: Registry(kind) for kind in KINDS}
+    for kind, reg in registries.items():  # no plugin yet: every plugin added is called as it comes
+        getattr(pm.hook, f"mtpflow_register_{kind}").call_historic(kwargs={"register": reg.register})
+    plugins = Plugins(pm, registries, {})
 
     for name, modname in BUILTIN_PLUGINS.items():
-        pm.register(importlib.import_module(modname), name=name)
-        versions[name] = __version__
+        plugins.register(importlib.import_module(modname), name=name, version=__version__)
 
     if autoload is None:
         autoload = os.environ.get("MTPFLOW_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true", "yes")
@@ -224,14 +289,11 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
             if pm.has_plugin(ep.name):
                 warnings.warn(f"mtpflow plugin {ep.name!r} is installed twice; keeping the first", stacklevel=2)
                 continue
+            dist = getattr(ep, "dist", None)
             try:
-                plugin = ep.load()
-                pm.register(plugin, name=ep.name)
+                plugins.register(ep.load(), name=ep.name, version=getattr(dist, "version", None) or "unknown")
             except Exception as exc:  # a broken auto-discovered plugin must not break the host
                 warnings.warn(f"mtpflow plugin {ep.name!r} failed to load and was skipped: {exc}", stacklevel=2)
-                continue
-            dist = getattr(ep, "dist", None)
-            versions[ep.name] = getattr(dist, "version", None) or "unknown"
 
     for item in extra or []:
         if isinstance(item, str):
@@ -246,34 +308,26 @@ def make_plugin_manager(extra: list[str | object] | None = None, *, autoload: bo
             if pm.is_registered(mod):
                 continue  # an installed plugin, already loaded through its entry point
             try:
-                pm.register(mod, name=item)
+                plugins.register(mod, name=item, version=getattr(mod, "__version__", "unknown"))
+            except PluginError:
+                raise
             except Exception as exc:  # e.g. pluggy rejecting the module's hooks
                 raise PluginError(f"plugin {item!r} named in the config could not be registered: {exc}") from exc
-            versions[item] = getattr(mod, "__version__", "unknown")
         else:
             name = getattr(item, "__name__", None) or type(item).__name__
             if not pm.is_registered(item):
-                pm.register(item, name=name)
-                versions[name] = getattr(item, "__version__", "unknown")
-
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
-
-    from .api import KINDS
-
-    registries = {kind: Registry(kind) for kind in KINDS}
-    for kind, reg in registries.items():
-        caller = getattr(pm.hook, f"mtpflow_register_{kind}")
-        for impl in caller.get_hookimpls():  # registration order: built-ins first
-            reg._current_plugin = impl.plugin_name
-            impl.function(register=reg.register)
-        reg._current_plugin = "?"
-    return Plugins(pm, registries, versions)
+                plugins.register(item, name=name, version=getattr(item, "__version__", "unknown"))
+    return plugins
 
 
 _default: Plugins | None = None
+_ACTIVE: contextvars.ContextVar[Plugins | None] = contextvars.ContextVar("mtpflow_plugins", default=None)
+
+
+def current_plugins() -> Plugins:
+    """The plugins of the session being loaded (:meth:`Plugins.active`), else
+    the process-wide ones."""
+    return _ACTIVE.get() or get_plugins()
 
 
 def get_plugins() -> Plugins:

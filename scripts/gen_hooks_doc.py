@@ -34,7 +34,10 @@ def render() -> str:
     hooks = [(n, f) for n, f in vars(hookspecs).items() if n.startswith("mtpflow_") and callable(f)]
     parts = [HEADER]
     for name, fn in hooks:
-        parts.append(f"## `{name}`\n\n```python\n{name}{inspect.signature(fn)}\n```\n\n{inspect.getdoc(fn)}\n")
+        opts = getattr(fn, "mtpflow_spec", {})
+        kinds = [k for k in ("firstresult", "historic") if opts.get(k)]
+        mark = f"*{', '.join(kinds)}*\n\n" if kinds else ""
+        parts.append(f"## `{name}`\n\n```python\n{name}{inspect.signature(fn)}\n```\n\n{mark}{inspect.getdoc(fn)}\n")
     return "\n".join(parts)
 
 

@@ -12,6 +12,9 @@ import attrs
 import mlx.core as mx
 
 from mtpflow import hookimpl
+from mtpflow.api import (
+    BudgetDrafter, LookaheadSafe, PeekingBlockPolicy, PrefillingDrafter, TreeDrafter, has,
+)
 from mtpflow.logs import debug_enabled
 from mtpflow.state import (
     AcceptResult,
@@ -47,7 +50,7 @@ def _finish(row: RowState, new: list[int]) -> list[int]:
 @hookimpl
 def mtpflow_prefill(session, requests):
     pc = session.prefix_cache
-    usable = not session.tap_layers and not hasattr(session.drafter, "prefilled")
+    usable = not session.tap_layers and not has(session.drafter, PrefillingDrafter)
     if pc is not None and usable and all(r.media is None for r in requests):
         hits = {}
         for i, r in enumerate(requests):
@@ -119,9 +122,8 @@ def _prefill(session, requests, sample: bool = True):
     state = _first_tokens(session, requests, cache, last_hidden)
     if layers:
         state.fwd_tokens, state.fwd_positions, state.taps = fwd_tokens, fwd_positions, taps
-    prefilled = getattr(session.drafter, "prefilled", None)
-    if prefilled is not None:
-        prefilled(session, state)  # a drafter with its own cache takes in the new rows' prompts
+    if has(session.drafter, PrefillingDrafter):
+        session.drafter.prefilled(session, state)  # a drafter with its own cache takes in the new rows' prompts
     return state
 
 
@@ -146,7 +148,7 @@ def _first_tokens(session, requests, cache, last_hidden) -> BatchState:
 @hookimpl
 def mtpflow_bind_shared_kv(session, state):
     # only what the drafter declared it needs
-    needs = getattr(session.drafter, "needs", frozenset())
+    needs = session.drafter.needs if session.drafter is not None else frozenset()
     return SharedKV(
         kv=session.target.shared_kv(state.cache) if "shared_kv" in needs else {},
         bonus_position=state.positions,
@@ -157,7 +159,7 @@ def mtpflow_bind_shared_kv(session, state):
 
 @hookimpl
 def mtpflow_draft_block(session, state, shared, block_size, tree):
-    if tree is not None and hasattr(session.drafter, "propose_tree"):
+    if tree is not None and has(session.drafter, TreeDrafter):
         block = session.drafter.propose_tree(session, state, shared, tree)
     else:
         block = session.drafter.propose(session, state, shared, block_size - 1)
@@ -272,16 +274,20 @@ def _next_round_null(session, state, remaining: int) -> bool:
         return False
     if any(r.finished or r.request.max_tokens - len(r.generated) < 2 for r in state.rows):
         return False
-    safe = getattr(session.sampler, "lookahead_safe", None)
-    if safe is None or not safe(state) or not _hooks_allow_lookahead(session, state):
+    if not has(session.sampler, LookaheadSafe) or not session.sampler.lookahead_safe(state):
+        return False
+    if not _hooks_allow_lookahead(session, state):
         return False
     if session.drafter is None or not any(r.request.speculative for r in state.rows):
         return True
-    budget = remaining - 1 if getattr(session.drafter, "drafts_to_budget", False) else remaining - 2
+    budget = remaining - 1 if _drafts_to_budget(session.drafter) else remaining - 2
     if budget <= 0:
         return True
-    peek = getattr(session.block_policy, "peek", None)
-    return peek is not None and peek(session.stats) == 1
+    return has(session.block_policy, PeekingBlockPolicy) and session.block_policy.peek(session.stats) == 1
+
+
+def _drafts_to_budget(drafter) -> bool:
+    return has(drafter, BudgetDrafter) and bool(drafter.drafts_to_budget)
 
 
 #: the stages a lookahead calls early (verify, accept) or changes (advance)
@@ -294,8 +300,7 @@ def _hooks_allow_lookahead(session, state) -> bool:
     copes with the next round's verify and accept arriving before this
     round's advance and emit."""
     for plugin in _stage_plugins(session.hook):
-        ok = getattr(plugin, "lookahead_safe", None)
-        if ok is None or not ok(state):
+        if not has(plugin, LookaheadSafe) or not plugin.lookahead_safe(state):
             return False
     return True
 
@@ -363,7 +368,7 @@ def mtpflow_round_protocol(session, state):
     # itself (as mlx-lm and z-lab's dflash_generate, whose blocks must match)
     remaining = max(r.request.max_tokens - len(r.generated) for r in state.rows)
     drafting = session.drafter is not None and any(r.request.speculative for r in state.rows)
-    budget = remaining if getattr(session.drafter, "drafts_to_budget", False) else remaining - 1
+    budget = remaining if _drafts_to_budget(session.drafter) else remaining - 1
     if tree is not None and (tree.levels > budget or not session.trees_supported(state)):
         block, tree = min(tree.levels, max(budget, 0)) + 1, None  # too deep for the budget: a chain
     n_draft = (tree.nodes if tree is not None else max(0, min(block - 1, budget))) if drafting else 0

@@ -34,6 +34,9 @@ class MLXLMTarget(TargetAdapter):
     q_norm = False
     #: the input embedding is scaled by sqrt(hidden size) (gemma)
     embed_scaled = False
+    #: the mlx-lm model module (``mlx_lm.models.<name>``) that runs this
+    #: architecture; ``None``: the one named by the config's ``model_type``
+    mlx_lm_module: str | None = None
 
     def __init__(self, model, config: dict, path: Path):
         self.model = model
@@ -91,7 +94,7 @@ class MLXLMTarget(TargetAdapter):
         path = Path(path)
         config = config or read_config(path)
         try:
-            model, _ = load_model(path)
+            model, _ = load_model(path, get_model_classes=cls._model_classes) if cls.mlx_lm_module else load_model(path)
         except FileNotFoundError as exc:
             raise TargetError(f"{path}: {exc}; download the full checkpoint") from None
         except ValueError as exc:
@@ -101,6 +104,13 @@ class MLXLMTarget(TargetAdapter):
             model.set_dtype(dt)
         mx.eval(model.parameters())
         return cls(model, config, path)
+
+    @classmethod
+    def _model_classes(cls, config: dict):
+        import importlib
+
+        arch = importlib.import_module(f"mlx_lm.models.{cls.mlx_lm_module}")
+        return arch.Model, arch.ModelArgs
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         return self.inner(tokens, cache=cache)

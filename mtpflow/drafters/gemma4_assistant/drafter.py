@@ -10,7 +10,7 @@ from ...state import DraftBlock
 from ...targets.base import SLIDING, read_config
 from ..base import TreeBuilder, head_class, load_weights
 from . import MODEL_TYPES
-from .config import check_compatible
+from .config import AssistantConfig, check_compatible
 from .masks import drafter_mask
 from .model import Gemma4AssistantModel
 
@@ -38,6 +38,11 @@ class Gemma4AssistantDrafter:
     @classmethod
     def check(cls, target_config: dict, drafter_config: dict):
         return check_compatible(target_config, drafter_config)
+
+    @classmethod
+    def head_of(cls, config: dict) -> str:
+        """The registered head the checkpoint was trained with."""
+        return AssistantConfig.from_dict(config).head_kind
 
     @classmethod
     def load(cls, path, target, options) -> "Gemma4AssistantDrafter":

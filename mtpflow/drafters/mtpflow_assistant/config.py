@@ -37,12 +37,13 @@ LM_HEADS = ("target", "own")
 
 
 def target_class(target_config: dict):
-    """The target adapter class registered for the config's ``model_type``."""
-    from ...plugins import PluginError, get_plugins
+    """The target adapter class registered for the config's ``model_type``, in
+    the plugins of the session being loaded (:func:`mtpflow.plugins.current_plugins`)."""
+    from ...plugins import PluginError, current_plugins
 
     mt = target_config.get("model_type")
     try:
-        return get_plugins().targets.get(mt)
+        return current_plugins().targets.get(mt)
     except PluginError as exc:
         raise IncompatibleDrafter(f"target config.json: {exc}") from None
 

@@ -65,6 +65,11 @@ class GenericAssistantDrafter(Gemma4AssistantDrafter):
         return check_compatible(target_config, drafter_config)
 
     @classmethod
+    def head_of(cls, config: dict) -> str:
+        """The registered head the checkpoint was trained with."""
+        return head_name(config)
+
+    @classmethod
     def load(cls, path, target, options) -> "GenericAssistantDrafter":
         head = head_class(options, head_name(read_config(path)))
         model = load_model(path, target, options.dtype, head)
