@@ -24,3 +24,16 @@ def mtpflow_register_drafters(register):
 
     register("eagle3", Eagle3Drafter)
     register("dflash", DFlashDrafter)
+
+    from mtpflow.drafters.native_mtp.drafter import NativeMTPDrafter
+
+    register("native_mtp", NativeMTPDrafter)
+
+
+@hookimpl
+def mtpflow_register_targets(register):
+    # targets whose checkpoints carry the native MTP heads the native_mtp kind runs
+    from mtpflow.targets.deepseek import DeepseekTarget
+
+    for model_type in DeepseekTarget.model_types:
+        register(model_type, DeepseekTarget)
