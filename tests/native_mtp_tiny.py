@@ -19,10 +19,10 @@ from mlx.utils import tree_flatten
 
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-    "vocab_size": 96, "hidden_size": 48, "intermediate_size": 64, "moe_intermediate_size": 24,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
     "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 1.5,
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "v_head_dim": 12, "qk_nope_head_dim": 12,
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
     "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
     "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False,
@@ -97,3 +97,49 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), out)
     return path
+
+
+def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
+    """``src`` quantized as mlx-community publishes (``quantization`` in
+    config.json, ``.scales`` / ``.biases``), its MTP layers kept, quantized too,
+    in mlx-lm's layout (what a converter that kept them would write)."""
+    import mlx.nn as nn
+
+    from mtpflow.drafters.native_mtp.drafter import load_head
+    from mtpflow.drafters.native_mtp.module import to_native
+    from mtpflow.targets.deepseek import DeepseekTarget
+
+    target = DeepseekTarget.from_path(src)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    _, head, _ = load_head(Path(src), target.model, "float32")
+
+    def pred(p, m):
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0 and "gate" not in p.split(".")[-1:]
+
+    nn.quantize(target.model, group_size=group_size, bits=bits, class_predicate=pred)
+    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=pred)
+    w = dict(tree_flatten(target.model.parameters()))
+    w.update(to_native(dict(tree_flatten(head.parameters())), cfg["num_hidden_layers"]))
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg["quantization"] = {"group_size": group_size, "bits": bits}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    mx.save_safetensors(str(dst / "model.safetensors"), w)
+    return dst
+
+
+def module_folder(src: Path, dst: Path) -> Path:
+    """A trained-module folder in the loader contract's layout, cut from a
+    checkpoint: its config.json and only its ``model.layers.{N+i}.*`` tensors
+    (the head's own, without DeepSeek's copies of the embedding and LM head)."""
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    n, d = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
+    w = mx.load(str(Path(src) / "model.safetensors"))
+    keep = {k: v for k, v in w.items()
+            if any(k.startswith(f"model.layers.{n + i}.") for i in range(d))
+            and ".embed_tokens." not in k and ".shared_head.head." not in k}
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    mx.save_safetensors(str(dst / "model.safetensors"), keep)
+    return dst

@@ -98,6 +98,7 @@ class NativeMTPDrafter:
         self.n_layers = len(target.decoder_layers)
         self.needs = frozenset({f"layer:{self.n_layers}"})
         self.per_layer = family.caches_per_layer
+        self.label = f"native MTP head (depth {self.depth}, {cfg.get('model_type')})"
         self.reset()
 
     def reset(self) -> None:
