@@ -29,6 +29,13 @@ DEEPSEEK_V3 = {
     "num_nextn_predict_layers": 1, "eos_token_id": 1, "bos_token_id": 0,
 }
 
+GLM_MOE_DSA = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("rope_theta", "architectures")},
+    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 256,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+}
+
 
 def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
     """A decoder layer's mlx tensors back in the HF layout (experts one by one, kv_b_proj)."""
