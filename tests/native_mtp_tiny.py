@@ -92,8 +92,9 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
         eh = rng.normal(0, (2 * H) ** -0.5, (H, 2 * H)).astype(np.float32) * (1 - mix)
         eh[:, H:] += mix * np.eye(H, dtype=np.float32)
         out[pre + "eh_proj.weight"] = mx.array(eh)
-        out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]  # DeepSeek-V3 ships copies
-        out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
+        if cfg["model_type"] == "deepseek_v3":  # DeepSeek-V3 ships copies of the embedding and head (GLM-5 does not)
+            out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]
+            out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
         for k in list(out):
             if k.startswith(pre) and (k.endswith("o_proj.weight") or k.endswith("down_proj.weight")):
                 out[k] = out[k] * 0.05  # a near pass-through block
