@@ -130,9 +130,12 @@ def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
         f"tau {num(stats.get('tau'))}",
         f"acceptance {num(stats.get('acceptance_rate'))}",
     ]
-    for key, label in (("draft_kind", "drafter"), ("head", "head"), ("sampler", "sampler")):
+    drafter = stats.get("drafter") or stats.get("draft_kind")
+    if drafter:
+        parts.append(f"drafter {drafter}")
+    for key in ("head", "sampler"):
         if stats.get(key):
-            parts.append(f"{label} {stats[key]}")
+            parts.append(f"{key} {stats[key]}")
     if policy:
         parts.append(f"policy {policy}")
     if stats.get("batch_policy"):
