@@ -107,7 +107,8 @@ class Session:
         """Whether this round may verify a tree: a drafter that drafts trees and
         a sampler whose processing does not read the drafts' history."""
         supports = getattr(self.sampler, "supports_trees", None)
-        return hasattr(self.drafter, "propose_tree") and (supports is None or supports(state))
+        return (hasattr(self.drafter, "propose_tree") and getattr(self.target, "supports_trees", True)
+                and (supports is None or supports(state)))
 
     @property
     def drafter_commit(self):
@@ -375,6 +376,11 @@ def load_session(
         plugins.lm_heads.get(config.draft.head)
 
     target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
+    if config.batch.prefix_cache_mb and not getattr(target, "supports_prefix_cache", True):
+        raise LoadError(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); set [batch] prefix_cache_mb = 0")
+    if config.draft.tree != "off" and not getattr(target, "supports_trees", True):
+        warnings.warn(f"{tpath}: this target (model_type {mt!r}) verifies chains only; drafting chains instead of trees", stacklevel=2)
+        config = attrs.evolve(config, draft=attrs.evolve(config.draft, tree="off"))
     drafter = None
     if drafter_cls is not None:
         opts = DrafterOptions(

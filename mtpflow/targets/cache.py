@@ -255,6 +255,10 @@ def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
     slot axes are right-aligned, shorter ones padded with empty slots."""
     out = []
     for layer in zip(*caches):
+        merge = getattr(type(layer[0]), "merge", None)  # a cache of another kind merges itself
+        if merge is not None:
+            out.append(merge(list(layer)))
+            continue
         width = max(c.idx for c in layer)
         tmpl = next(c for c in layer if c.keys is not None)
         merged = SlotKVCache(window=tmpl.window, retain=tmpl.retain)
