@@ -259,6 +259,7 @@ def _generate(args, cfg, log) -> int:
         elapsed_s=round(elapsed, 4),
         tokens_per_s=round(ntok / elapsed, 2) if elapsed > 0 else None,
         draft_kind=session.draft_kind,
+        drafter=getattr(session.drafter, "label", None) or session.draft_kind,
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
     )

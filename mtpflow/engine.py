@@ -249,6 +249,24 @@ def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | N
     return detected
 
 
+def in_target_kind(plugins: Plugins, target_config: dict, target_path: Path, requested: str | None) -> str | None:
+    """The kind to run when no drafter checkpoint is given: a kind whose
+    drafter ships inside the target checkpoint (its ``in_target(config,
+    path)`` says so) when it is ``requested`` by name or by one of its
+    ``aliases``, or, with nothing requested, when it sets ``auto_detect``;
+    else ``requested`` (``None``, or ``"none"``: target-only)."""
+    if requested == "none":
+        return None
+    for name, cls in plugins.drafters.items():
+        in_target = getattr(cls, "in_target", None)
+        if in_target is None:
+            continue
+        asked = requested is not None and (requested == name or requested in getattr(cls, "aliases", ()))
+        if (asked or (requested is None and getattr(cls, "auto_detect", False))) and in_target(target_config, target_path):
+            return name
+    return requested
+
+
 def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict | None = None, drafter_path=None) -> Config:
     """Fill in what ``[draft]`` leaves unset: the block size (the drafter
     checkpoint's recommendation, else :data:`~mtpflow.config.FALLBACK_BLOCK_SIZE`)
@@ -353,9 +371,11 @@ def load_session(
                 check(tcfg, dcfg, drafter_path=dpath)
             else:
                 check(tcfg, dcfg)
-    elif mc.draft_kind is not None:
-        kind = mc.draft_kind
-        drafter_cls = plugins.drafters.get(kind)
+    elif mc.draft_kind is not None or mc.model is not None:
+        kind = in_target_kind(plugins, tcfg, tpath, mc.draft_kind)
+        drafter_cls = plugins.drafters.get(kind) if kind is not None else None
+        if hasattr(drafter_cls, "check_target"):
+            drafter_cls.check_target(tcfg, tpath)  # before any weight is loaded
 
     # what a config that leaves [draft] alone gets for this pair (bench's "default" variant)
     default_draft = resolve_draft_config(

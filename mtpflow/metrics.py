@@ -129,6 +129,8 @@ def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
         f"tau {num(stats.get('tau'))}",
         f"acceptance {num(stats.get('acceptance_rate'))}",
     ]
+    if stats.get("drafter"):
+        parts.append(f"drafter {stats['drafter']}")
     if policy:
         parts.append(f"policy {policy}")
     parts.append(f"blocks {blocks}")

@@ -24,3 +24,17 @@ def mtpflow_register_drafters(register):
 
     register("eagle3", Eagle3Drafter)
     register("dflash", DFlashDrafter)
+
+    from mtpflow.drafters.native_mtp.drafter import NativeMTPDrafter
+
+    register("native_mtp", NativeMTPDrafter)
+
+
+@hookimpl
+def mtpflow_register_targets(register):
+    # targets whose checkpoints carry the native MTP heads the native_mtp kind runs
+    from mtpflow.targets.deepseek import DeepseekTarget, DeepseekV32Target
+
+    for cls in (DeepseekTarget, DeepseekV32Target):
+        for model_type in cls.model_types:
+            register(model_type, cls)

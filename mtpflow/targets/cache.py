@@ -255,9 +255,9 @@ def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
     slot axes are right-aligned, shorter ones padded with empty slots."""
     out = []
     for layer in zip(*caches):
-        merge = getattr(type(layer[0]), "merge", None)  # a cache of another kind merges itself
-        if merge is not None:
-            out.append(merge(list(layer)))
+        if hasattr(layer[0], "merge_layers"):  # a cache of another kind (a layer of several caches, a recurrent layer) merges itself
+            out.append(layer[0].merge_layers(list(layer)))
+            continue
             continue
         width = max(c.idx for c in layer)
         tmpl = next(c for c in layer if c.keys is not None)

@@ -185,11 +185,10 @@ class RecurrentCache:
             self.offset = self.offset[rows]
         self._last = None
 
-    @classmethod
-    def merge(cls, layer: list["RecurrentCache"]) -> "RecurrentCache":
-        """The caches of several batches of one layer, stacked (rows joining)."""
+    def merge_layers(self, layer: list["RecurrentCache"]) -> "RecurrentCache":
+        """The caches of several batches of this layer, stacked (rows joining)."""
         tmpl = next(c for c in layer if c.conv is not None)
-        out = cls(tmpl.kernel, tmpl.mode)
+        out = type(self)(tmpl.kernel, tmpl.mode)
         out.conv = mx.concatenate([c.conv for c in layer], axis=0)
         out.recurrent = mx.concatenate([c.recurrent for c in layer], axis=0)
         out.offset = mx.concatenate([c.offset for c in layer], axis=0)
