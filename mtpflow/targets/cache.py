@@ -255,9 +255,8 @@ def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
     slot axes are right-aligned, shorter ones padded with empty slots."""
     out = []
     for layer in zip(*caches):
-        if hasattr(layer[0], "merge_layers"):  # a cache of another kind (a layer of several caches, a recurrent layer) merges itself
+        if hasattr(layer[0], "merge_layers"):  # a layer of several caches merges itself
             out.append(layer[0].merge_layers(list(layer)))
-            continue
             continue
         width = max(c.idx for c in layer)
         tmpl = next(c for c in layer if c.keys is not None)
