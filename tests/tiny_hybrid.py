@@ -167,11 +167,19 @@ def _decoder_layer(rng, prefix: str, tc: dict, linear: bool, residual: float) ->
     return out
 
 
-def mtp_weights(rng, tc: dict, residual: float = 2.0) -> dict:
-    """The ``mtp.*`` tensors of a checkpoint with text config ``tc``."""
+def mtp_weights(rng, tc: dict, residual: float = 2.0, copy: float = 0.0) -> dict:
+    """The ``mtp.*`` tensors of a checkpoint with text config ``tc``.
+    ``copy`` in [0, 1] blends ``mtp.fc`` towards passing the token embedding
+    through (and weakens the block): on a target whose next token depends
+    mostly on the current one (small ``residual`` in :func:`build`) the head
+    then drafts the target's next-but-one token often, not always."""
     D = tc["hidden_size"]
+    fc = np.asarray(_rand(rng, (D, 2 * D), (2 * D) ** -0.5))
+    fc[:, :D] = (1 - copy) * fc[:, :D] + copy * np.eye(D, dtype=np.float32)
+    fc[:, D:] *= 1 - copy
+    residual = residual * (1 - copy) + 0.05 * copy
     out = {
-        "mtp.fc.weight": _rand(rng, (D, 2 * D), (2 * D) ** -0.5),
+        "mtp.fc.weight": mx.array(fc),
         "mtp.pre_fc_norm_embedding.weight": mx.array(rng.uniform(-0.4, 0.4, D).astype(np.float32)),
         "mtp.pre_fc_norm_hidden.weight": mx.array(rng.uniform(-0.4, 0.4, D).astype(np.float32)),
         "mtp.norm.weight": mx.array(rng.uniform(-0.4, 0.4, D).astype(np.float32)),
@@ -182,7 +190,7 @@ def mtp_weights(rng, tc: dict, residual: float = 2.0) -> dict:
 
 
 def build(root: Path, family: str = "qwen3_5", seed: int = 0, mtp: bool = False, residual: float = 2.0,
-          embed_scale: float = 1.0, name: str | None = None, **kw) -> Path:
+          embed_scale: float = 1.0, name: str | None = None, mtp_copy: float = 0.0, **kw) -> Path:
     """Write a tiny random ``family`` checkpoint (HF layout) under ``root``;
     returns its folder.  ``mtp``: also write the ``mtp.*`` head.  ``kw``:
     :func:`text_config` options (``layers``, ``interval``, ``mtp_layers``...)."""
@@ -199,7 +207,7 @@ def build(root: Path, family: str = "qwen3_5", seed: int = 0, mtp: bool = False,
     if family != "qwen3_next":
         w["model.visual.patch_embed.proj.weight"] = mx.zeros((16, 3, 2, 2, 2))  # a stub tower to skip
     if mtp:
-        w.update(mtp_weights(rng, tc | {"model_type": family}, residual))
+        w.update(mtp_weights(rng, tc | {"model_type": family}, residual, mtp_copy))
     path = Path(root) / (name or f"{family}_{seed}{'_mtp' if mtp else ''}")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
