@@ -114,7 +114,8 @@ class Session:
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
         a sampler whose processing does not read the drafts' history."""
-        return has(self.drafter, TreeDrafter) and has(self.sampler, TreeSampler) and self.sampler.supports_trees(state)
+        return (has(self.drafter, TreeDrafter) and getattr(self.target, "supports_trees", True)
+                and has(self.sampler, TreeSampler) and self.sampler.supports_trees(state))
 
     @property
     def drafter_commit(self):
@@ -471,6 +472,11 @@ def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bo
 
     dtype = dtypes.resolve_dtype(mc.dtype, tpath, tcfg)  # "auto": the checkpoint's on a GPU, float32 on a CPU
     target = target_cls.from_path(tpath, tcfg, dtype=dtype)
+        if config.batch.prefix_cache_mb and not getattr(target, "supports_prefix_cache", True):
+        raise LoadError(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); set [batch] prefix_cache_mb = 0")
+    if config.draft.tree != "off" and not getattr(target, "supports_trees", True):
+        warnings.warn(f"{tpath}: this target (model_type {mt!r}) verifies chains only; drafting chains instead of trees", stacklevel=2)
+        config = attrs.evolve(config, draft=attrs.evolve(config.draft, tree="off"))
     drafter = None
     if drafter_cls is not None:
         opts = DrafterOptions(

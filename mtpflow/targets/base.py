@@ -171,6 +171,10 @@ class TargetAdapter:
     model: Any
     inner: Any
     softcap: float | None = None
+    #: the target can verify a tree of drafts in one forward (a recurrent layer cannot)
+    supports_trees: bool = True
+    #: the prefix cache may store and reuse this target's cache
+    supports_prefix_cache: bool = True
 
     # subclasses implement
     def forward(self, tokens: mx.array, cache: list) -> mx.array:  # pragma: no cover
@@ -337,7 +341,7 @@ class TargetAdapter:
             for lid, h in got.items():
                 chunks[lid].append(h)
             if s + step < L:
-                mx.eval([c.keys for c in cache] + [c.values for c in cache] + [h for hs in chunks.values() for h in hs])
+                mx.eval([c.state for c in cache] + [h for hs in chunks.values() for h in hs])
                 self.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
         if not taps:
             return cache, hidden[:, -1]
@@ -352,7 +356,7 @@ class TargetAdapter:
         for s in range(0, len(tokens), step):
             hidden = self.forward(ids[:, s : s + step], cache)
             if s + step < len(tokens):
-                mx.eval([c.keys for c in cache] + [c.values for c in cache])
+                mx.eval([c.state for c in cache])
         return hidden[:, -1]
 
     def set_offsets(self, cache: list[SlotKVCache], offsets: mx.array) -> None:

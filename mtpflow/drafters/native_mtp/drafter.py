@@ -49,14 +49,16 @@ def load_head(src: Path, model, dtype: str | None, target_config: dict | None = 
     embedding and LM head the head uses).  Reads only the head's tensors."""
     cfg = read_config(src)
     fam, D, files, names = check_head(cfg, src, target_config, "checkpoint" if target_config is None else "module")
-    raw = {}
+    raw, meta = {}, {}
     for f in sorted(files):
         try:
-            loaded = mx.load(str(Path(src) / f))
+            loaded, m = mx.load(str(Path(src) / f), return_metadata=True)
         except Exception as exc:
             raise TargetError(f"{Path(src) / f}: cannot read safetensors ({exc}); re-download it") from None
         raw.update({k: loaded[k] for k in names if k in loaded})
-    weights = fam.to_module(raw, cfg, model)
+        meta.update(m or {})
+    # a family whose conversions depend on who wrote the file (Qwen's zero-centred norms) reads its metadata
+    weights = fam.to_module(raw, cfg, model, metadata=meta) if getattr(fam, "reads_metadata", False) else fam.to_module(raw, cfg, model)
     head = fam.build(model, cfg, D)
     if any(k.endswith(".scales") for k in weights):
         q = cfg.get("quantization") or cfg.get("quantization_config") or {}

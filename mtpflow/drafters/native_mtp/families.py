@@ -182,3 +182,12 @@ def family_for(config: dict) -> type[Family] | None:
 
 def supported() -> list[str]:
     return sorted({t for f in FAMILIES for t in f.model_types})
+
+
+def _register_qwen() -> None:
+    from .qwen import QwenLayout
+
+    FAMILIES.insert(0, QwenLayout)
+
+
+_register_qwen()

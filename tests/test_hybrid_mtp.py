@@ -1,0 +1,104 @@
+"""The native-MTP kind on hybrid targets: the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next ``mtp.*`` head."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from conftest import drive_with_late_joiners, quiet_log, run_requests
+from tiny_hybrid import build
+
+from mtpflow.config import load_config
+from mtpflow.engine import generate_stream, load_session, make_request, target_only_greedy
+from mtpflow.errors import IncompatibleDrafter
+from mtpflow.state import SamplingParams
+
+PROMPTS = [[2, 17, 300, 41, 999, 5, 77, 1200, 64, 8, 33], [2, 501, 502], [2, 9, 9, 9, 1500, 23, 7]]
+MAX = [20, 14, 17]
+#: a target whose next token leans on the current one, and a head that mostly
+#: passes the embedding through: about a third of the drafts are accepted
+PREDICTABLE = {"residual": 0.1, "mtp_copy": 0.95}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_mtp")
+    return {
+        "qwen3_5": build(root, "qwen3_5", seed=0, mtp=True, **PREDICTABLE),
+        "qwen3_5_moe": build(root, "qwen3_5_moe", seed=1, mtp=True, **PREDICTABLE),
+        "qwen3_next": build(root, "qwen3_next", seed=2, mtp=True, **PREDICTABLE),
+        "no_head": build(root, "qwen3_5", seed=0, residual=0.1),
+        "root": root,
+    }
+
+
+def session(path, block=3, **model):
+    ov = {"model": {"model": str(path), **model}, "draft": {"block_size": block, "policy": "fixed"}}
+    return load_session(load_config(overrides=ov), log=quiet_log())
+
+
+def refs(s, prompts, maxes):
+    return [target_only_greedy(s.target, p, m, s.target.eos_ids) for p, m in zip(prompts, maxes)]
+
+
+@pytest.mark.parametrize("family,block", [("qwen3_5", 3), ("qwen3_5", 5), ("qwen3_5_moe", 3), ("qwen3_next", 4)])
+def test_greedy_ragged_batch_through_the_native_head_equals_target_only(ckpts, family, block):
+    s = session(ckpts[family], block)  # detected: the checkpoint carries mtp.*
+    assert s.draft_kind == "native_mtp" and s.drafter.family.__name__ == "QwenLayout"
+    _, out = run_requests(s, PROMPTS, MAX)
+    assert [out[str(i)] for i in range(3)] == refs(s, PROMPTS, MAX)
+    st = s.stats.as_dict()
+    if family == "qwen3_5":  # accepted and rejected drafts: the hybrid rollback and the head's own
+        assert 0 < st["accepted_tokens"] < st["draft_tokens"]
+
+
+def test_rows_joining_through_the_native_head(ckpts):
+    s = load_session(load_config(overrides={"model": {"model": str(ckpts["qwen3_5"])},
+                                            "draft": {"block_size": 3, "policy": "fixed"},
+                                            "batch": {"policy": "continuous", "max_batch_size": 8}}), log=quiet_log())
+    prompts = PROMPTS + [[2, 44, 45, 46, 47, 48], [2, 1000]]
+    maxes = MAX + [12, 15]
+    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(prompts, maxes))]
+    out = drive_with_late_joiners(s, reqs[:3], reqs[3:], join_after=2)
+    assert [out[str(i)] for i in range(5)] == refs(s, prompts, maxes)
+
+
+def test_seeded_sampling_through_the_native_head_equals_target_only(ckpts):
+    sps = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_p=0.9, seed=8)]
+
+    def run(s):
+        reqs = [make_request(s, p, max_tokens=12, sampling=sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(PROMPTS, sps))]
+        out = {r.id: [] for r in reqs}
+        for ev in generate_stream(s, reqs):
+            out[ev.request_id].extend(ev.tokens)
+        return out
+
+    want = run(session(ckpts["qwen3_5"], draft_kind="none"))
+    s = session(ckpts["qwen3_5"], 4)
+    assert s.draft_kind == "native_mtp"
+    assert run(s) == want
+    assert s.stats.as_dict()["accepted_tokens"] > 0
+
+
+def test_zero_centred_norms_convert_unless_the_file_says_mlx(ckpts, tmp_path):
+    """``1 + w`` at load; a file whose metadata says ``format: mlx`` is taken as is."""
+    src = ckpts["qwen3_5"]
+    w = mx.load(str(src / "model.safetensors"))
+    stored = w["mtp.pre_fc_norm_embedding.weight"]
+    s = session(src)
+    assert mx.array_equal(s.drafter.model.layers[0].enorm.weight, stored + 1.0)
+    mlx_dir = tmp_path / "mlx_format"
+    mlx_dir.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (mlx_dir / f).write_bytes((src / f).read_bytes())
+    mx.save_safetensors(str(mlx_dir / "model.safetensors"), w, metadata={"format": "mlx"})
+    s2 = session(mlx_dir)
+    assert mx.array_equal(s2.drafter.model.layers[0].enorm.weight, stored)
+
+
+def test_a_stripped_head_is_a_one_line_error_and_no_head_runs_target_only(ckpts, tmp_path):
+    cfg = json.loads((ckpts["no_head"] / "config.json").read_text())
+    assert cfg["text_config"]["mtp_num_hidden_layers"] == 1  # the config says a head, the weights lack it
+    with pytest.raises(IncompatibleDrafter, match=r"mtp\.fc\.\*.*converter") as e:
+        session(ckpts["no_head"], draft_kind="native_mtp")
+    assert "\n" not in str(e.value)
+    assert session(ckpts["no_head"]).drafter is None  # nothing asked: target-only
