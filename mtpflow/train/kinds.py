@@ -46,7 +46,7 @@ import numpy as np
 
 from . import data as data_mod
 
-KINDS = ("assistant", "eagle3", "dflash")
+KINDS = ("assistant", "eagle3", "dflash", "mtp")
 
 
 def _sg(x):
@@ -454,6 +454,10 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
     from .loop import optimize, training_data
     from .parallel import world
 
+    if kind == "mtp":
+        from .mtp import train_mtp
+
+        return train_mtp(target, drafter_options, data_spec, out, cfg, examples, ranks=ranks)
     ranks = ranks or world()
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())

@@ -113,8 +113,8 @@ class TrainConfig:
             raise ValueError("unroll must be >= 1")
         if self.init not in ("identity", "random"):
             raise ValueError(f"init must be 'identity' or 'random' (got {self.init!r})")
-        if self.kind not in ("assistant", "eagle3", "dflash"):
-            raise ValueError(f"kind must be 'assistant', 'eagle3' or 'dflash' (got {self.kind!r})")
+        if self.kind not in ("assistant", "eagle3", "dflash", "mtp"):
+            raise ValueError(f"kind must be 'assistant', 'eagle3', 'dflash' or 'mtp' (got {self.kind!r})")
         if self.kind != "assistant" and self.init_from:
             raise ValueError("--init-from warm-starts assistant drafters only")
         if self.tap_cache_mb < 0:
@@ -461,7 +461,7 @@ def _catch_stop_signals(signalled: list):
 
 
 def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int,
-             data_id: str | None = None, ranks: Ranks | None = None):
+             data_id: str | None = None, ranks: Ranks | None = None, fixed_weights=None):
     """AdamW over ``model``'s trainable parameters until ``cfg.steps``
     (``max_time_s`` / ``stop_at`` stop it early, checkpointed): resumes from
     ``out/checkpoint``, logs every step to ``out/train_log.jsonl``, shows a
@@ -480,9 +480,10 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     what the checkpoint must have been written for.  Returns ``(step,
     acc_ema, tokens_seen, last_log, elapsed_s, speed)``; ``speed``: this
     sitting's training tokens per second, over all ranks and per device
-    (:func:`mtpflow.train.parallel.throughput`).  SIGINT / SIGTERM stop the
-    run after the step it is in: that step is checkpointed, then
-    :class:`TrainingInterrupted` is raised."""
+    (:func:`mtpflow.train.parallel.throughput`).  ``fixed_weights``: per-step
+    loss weights that replace ``cfg.step_weights`` (the MTP kind's ``depth_weights``).
+    SIGINT / SIGTERM stop the run after the step it is in: that step is
+    checkpointed, then :class:`TrainingInterrupted` is raised."""
     ranks = ranks or world()
     rows = ranks.rows(cfg.batch_size)
     if data_id is not None:
@@ -551,7 +552,8 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
                 break
             args, lens_np = make_batch(step, rows)
             n_tok = int(lens_np.sum())
-            w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema))
+            w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema) if fixed_weights is None
+                         else fixed_weights)
             (loss, per, cor, cnt), grads = grad_fn(model, *args, w)
             if ranks.size > 1:
                 grads = nn.average_gradients(grads, group=ranks.group)
@@ -770,9 +772,9 @@ def add_train_arguments(p) -> None:
     p.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype of the saved drafter weights (default: as trained, float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--kind", choices=["assistant", "eagle3", "dflash"], default="assistant",
+    p.add_argument("--kind", choices=["assistant", "eagle3", "dflash", "mtp"], default="assistant",
                    help="drafter kind: assistant (mtpflow's KV-sharing MTP drafter), eagle3 (written as a Speculators "
-                        "checkpoint), dflash (written in z-lab's format); --drafter-config takes the kind's options, "
+                        "checkpoint), dflash (written in z-lab's format), mtp (a DeepSeek-style MTP module in the native layout); --drafter-config takes the kind's options, "
                         'e.g. {"draft_vocab_size": 8192} (eagle3) or {"block_size": 16, "num_hidden_layers": 2} (dflash)')
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
     p.add_argument("--tap-cache-mb", type=float, default=0.0,

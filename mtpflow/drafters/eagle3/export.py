@@ -131,3 +131,19 @@ def save_speculators(model, cfg: Eagle3Config, out, *, embed=None, verifier_name
         conf["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     return out
+
+
+#: formats ``mtpflow export`` writes for this kind (:mod:`mtpflow.export`)
+FORMATS = ("speculators",)
+
+
+def export_drafter(session, out, fmt: str = "speculators", *, verifier_name: str | None = None,
+                   speculative_tokens: int = 3, dtype: str | None = None) -> Path:
+    """``mtpflow export`` of a loaded EAGLE-3 drafter: a Speculators checkpoint."""
+    d = session.drafter
+    cfg = d.cfg
+    if not cfg.verifier_architectures:  # e.g. a SpecForge export: record the target it was loaded with
+        cfg = attrs.evolve(cfg, verifier_architectures=tuple(session.target.config.get("architectures") or ()))
+    embed = None if "embed_tokens" in d.model else session.target.inner.embed_tokens.weight
+    return save_speculators(d.model, cfg, out, embed=embed, verifier_name=verifier_name,
+                            speculative_tokens=speculative_tokens, dtype=dtype)
