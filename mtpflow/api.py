@@ -68,6 +68,10 @@ class LMHead(Protocol):
     ``E`` is the drafter's (tied) embedding matrix when the drafter owns one,
     else ``None``; heads that read something else (the target's own head)
     take it from the ``target`` passed to :meth:`from_config`.
+
+    Optional attribute ``input_space``: which state the head reads on the
+    generic assistant drafter, ``"target"`` (default: its output projected
+    into the target's hidden space) or ``"drafter"`` (its own final state).
     """
 
     @classmethod
