@@ -13,6 +13,7 @@ module, else of ``pkg``.  Modules, not packages, are the nodes.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +65,7 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     return {name: _imports(name, path) for name, path in MODULES.items()}
 
