@@ -134,8 +134,7 @@ class Drafter(Protocol):
     :class:`PrefillingDrafter`, :class:`CommittingDrafter`,
     :class:`CheckedDrafter`, :class:`RecognisingDrafter`,
     :class:`BlockSizeHint`, :class:`BlockDrafter`, :class:`BudgetDrafter`,
-    :class:`HeadedDrafter`, :class:`ExportingDrafter`; and ``settings`` (see
-    the module docstring).
+    :class:`HeadedDrafter`; and ``settings`` (see the module docstring).
     """
 
     model_types: tuple[str, ...]
@@ -289,18 +288,6 @@ class HeadedDrafter(Protocol):
 
 
 @runtime_checkable
-class ExportingDrafter(Protocol):
-    """A drafter that writes itself in formats other servers load (``mtpflow export``)."""
-
-    export_formats: tuple[str, ...]
-
-    def export(self, session: Any, out: Any, fmt: str, **options: Any) -> Any:
-        """Write the loaded drafter to the folder ``out`` in format ``fmt``
-        (one of ``export_formats``); return the folder.  ``options``:
-        ``verifier_name``, ``speculative_tokens``, ``dtype``."""
-
-
-@runtime_checkable
 class TreeSampler(Protocol):
     """A sampler that can verify trees (a sampler without it never sees one)."""
 
@@ -338,7 +325,7 @@ class PeekingBlockPolicy(Protocol):
 #: kind -> the optional capabilities the host looks for on what it registers or builds
 CAPABILITIES: dict[str, tuple[type, ...]] = {
     "drafters": (TreeDrafter, PrefillingDrafter, CommittingDrafter, CheckedDrafter, RecognisingDrafter,
-                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter, ExportingDrafter),
+                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter),
     "samplers": (TreeSampler, LookaheadSafe, SessionBound),
     "block_policies": (PeekingBlockPolicy,),
 }
@@ -467,7 +454,7 @@ __all__ = [
     "hookimpl", "KINDS", "KindSpec", "NEEDS", "check_needs", "needed_layers", "protocol_members",
     "LMHead", "Sampler", "LogitsProcessor", "Drafter", "BlockPolicy", "BatchPolicy", "Target",
     "CAPABILITIES", "capabilities", "has", "TreeDrafter", "PrefillingDrafter", "CommittingDrafter", "CheckedDrafter",
-    "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "ExportingDrafter", "TreeSampler",
+    "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "TreeSampler",
     "LookaheadSafe", "SessionBound", "PeekingBlockPolicy",
     "AcceptResult", "BatchState", "DraftBlock", "KVView", "Request", "RoundRecord", "RowState", "SamplingParams",
     "SharedKV", "VerifyResult", *sorted(_LAZY),

@@ -1,8 +1,5 @@
 """``mtpflow export``: write a drafter in a format other servers load.
 
-A drafter kind that can be exported has the
-:class:`mtpflow.api.ExportingDrafter` capability (its ``export_formats`` and
-``export``); today that is EAGLE-3.
 ``mtpflow export --format speculators --target T DRAFTER OUT`` writes an
 EAGLE-3 drafter that mtpflow loads (a Speculators checkpoint, a SpecForge /
 SGLang export, or one trained with ``mtpflow train --kind eagle3``) as a
@@ -37,17 +34,20 @@ def export(drafter: str, out: str, target: str, fmt: str = "speculators", verifi
     from .config import load_config
     from .engine import load_session
 
-    from .api import ExportingDrafter, has
-
     session = load_session(load_config(overrides={"model": {"model": target, "draft_model": drafter}}))
+    if session.draft_kind != "eagle3":
+        raise ExportError(f"{drafter} is a {session.draft_kind!r} drafter; --format speculators exports eagle3 drafters")
+    from .drafters.eagle3.export import save_speculators
+
+    import attrs
+
     d = session.drafter
-    if not has(d, ExportingDrafter) or fmt not in d.export_formats:
-        can = [name for name, cls in session.plugins.drafters.items() if has(cls, ExportingDrafter) and fmt in cls.export_formats]
-        raise ExportError(
-            f"{drafter} is a {session.draft_kind!r} drafter, which cannot be exported as {fmt!r}; "
-            f"kinds that can: {', '.join(can) or 'none'}"
-        )
-    return d.export(session, out, fmt, verifier_name=verifier_name, speculative_tokens=speculative_tokens, dtype=dtype)
+    cfg = d.cfg
+    if not cfg.verifier_architectures:  # e.g. a SpecForge export: record the target it was loaded with
+        cfg = attrs.evolve(cfg, verifier_architectures=tuple(session.target.config.get("architectures") or ()))
+    embed = None if "embed_tokens" in d.model else session.target.inner.embed_tokens.weight
+    return save_speculators(d.model, cfg, out, embed=embed, verifier_name=verifier_name,
+                            speculative_tokens=speculative_tokens, dtype=dtype)
 
 
 def run(args) -> int:

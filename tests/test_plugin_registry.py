@@ -170,20 +170,3 @@ def test_the_stats_line_and_json_name_what_ran(capsys):
     assert main(argv[:3] + argv[5:] + ["--draft-kind", "ngram", "--draft-block-size", "3"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "drafter ngram, sampler rejection, policy fixed, batch static" in line and "head" not in line
-
-
-def test_export_asks_the_drafter_for_the_capability(tmp_path):
-    from conftest import FIXTURES
-
-    from mtpflow.engine import load_session
-    from mtpflow.export import ExportError, export
-
-    out = export(str(FIX / "drafter_specforge"), str(tmp_path / "out"), str(FIX / "target"))
-    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    ov = {"model": {"model": str(FIX / "target")}, "draft": {"block_size": 3}}
-    a = load_session(load_config(overrides={**ov, "model": {**ov["model"], "draft_model": str(out)}}))
-    b = load_session(load_config(overrides={**ov, "model": {**ov["model"], "draft_model": str(FIX / "drafter_specforge")}}))
-    assert generate(a, IDS, max_tokens=8).tokens == generate(b, IDS, max_tokens=8).tokens
-    assert a.stats.accepted_tokens == b.stats.accepted_tokens
-    with pytest.raises(ExportError, match=r"a 'mtp' drafter, which cannot be exported as 'speculators'; kinds that can: eagle3"):
-        export(str(FIXTURES / "pair_e" / "drafter"), str(tmp_path / "no"), str(FIXTURES / "pair_e" / "target"))

@@ -93,23 +93,6 @@ class Eagle3Drafter:
         load_weights(model, path, options.dtype, "EAGLE-3 checkpoint", defaults={"d2t": mx.zeros((cfg.draft_vocab_size,), mx.int32)})
         return cls(model, cfg, target)
 
-    # -- export ---------------------------------------------------------------------------
-    export_formats = ("speculators",)
-
-    def export(self, session, out, fmt: str, *, verifier_name: str | None = None, speculative_tokens: int = 3,
-               dtype: str | None = None) -> Path:
-        """Write this drafter as a Speculators checkpoint (what vLLM and SGLang load)."""
-        import attrs
-
-        from .export import save_speculators
-
-        cfg = self.cfg
-        if not cfg.verifier_architectures:  # e.g. a SpecForge export: record the target it was loaded with
-            cfg = attrs.evolve(cfg, verifier_architectures=tuple(session.target.config.get("architectures") or ()))
-        embed = None if "embed_tokens" in self.model else session.target.inner.embed_tokens.weight
-        return save_speculators(self.model, cfg, out, embed=embed, verifier_name=verifier_name,
-                                speculative_tokens=speculative_tokens, dtype=dtype)
-
     # -- pieces of a step -----------------------------------------------------------------
     def embed(self, tokens):
         m = self.model
