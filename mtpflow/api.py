@@ -68,6 +68,10 @@ class LMHead(Protocol):
     ``E`` is the drafter's (tied) embedding matrix when the drafter owns one,
     else ``None``; heads that read something else (the target's own head)
     take it from the ``target`` passed to :meth:`from_config`.
+
+    Optional attribute ``input_space``: which state the head reads on the
+    generic assistant drafter, ``"target"`` (default: its output projected
+    into the target's hidden space) or ``"drafter"`` (its own final state).
     """
 
     @classmethod
@@ -130,7 +134,8 @@ class Drafter(Protocol):
     :class:`PrefillingDrafter`, :class:`CommittingDrafter`,
     :class:`CheckedDrafter`, :class:`RecognisingDrafter`,
     :class:`BlockSizeHint`, :class:`BlockDrafter`, :class:`BudgetDrafter`,
-    :class:`HeadedDrafter`; and ``settings`` (see the module docstring).
+    :class:`HeadedDrafter`, :class:`InTargetDrafter`,
+    :class:`TargetCheckedDrafter`; and ``settings`` (see the module docstring).
     """
 
     model_types: tuple[str, ...]
@@ -284,6 +289,27 @@ class HeadedDrafter(Protocol):
 
 
 @runtime_checkable
+class InTargetDrafter(Protocol):
+    """A drafter kind whose drafter ships inside the target checkpoint (a
+    native MTP head): run when no drafter checkpoint is given and the kind is
+    asked for by name or by one of its optional ``aliases``, or, with nothing
+    asked for, when it sets ``auto_detect = True``."""
+
+    @classmethod
+    def in_target(cls, target_config: dict, target_path: Any) -> bool:
+        """Whether this target checkpoint carries a drafter of this kind."""
+
+
+@runtime_checkable
+class TargetCheckedDrafter(Protocol):
+    """An in-target drafter kind that checks the target checkpoint before any weight is read."""
+
+    @classmethod
+    def check_target(cls, target_config: dict, target_path: Any) -> None:
+        """Raise :class:`~mtpflow.errors.IncompatibleDrafter` on a mismatch."""
+
+
+@runtime_checkable
 class TreeSampler(Protocol):
     """A sampler that can verify trees (a sampler without it never sees one)."""
 
@@ -321,7 +347,7 @@ class PeekingBlockPolicy(Protocol):
 #: kind -> the optional capabilities the host looks for on what it registers or builds
 CAPABILITIES: dict[str, tuple[type, ...]] = {
     "drafters": (TreeDrafter, PrefillingDrafter, CommittingDrafter, CheckedDrafter, RecognisingDrafter,
-                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter),
+                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter, InTargetDrafter, TargetCheckedDrafter),
     "samplers": (TreeSampler, LookaheadSafe, SessionBound),
     "block_policies": (PeekingBlockPolicy,),
 }
@@ -450,7 +476,8 @@ __all__ = [
     "hookimpl", "KINDS", "KindSpec", "NEEDS", "check_needs", "needed_layers", "protocol_members",
     "LMHead", "Sampler", "LogitsProcessor", "Drafter", "BlockPolicy", "BatchPolicy", "Target",
     "CAPABILITIES", "capabilities", "has", "TreeDrafter", "PrefillingDrafter", "CommittingDrafter", "CheckedDrafter",
-    "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "TreeSampler",
+    "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "InTargetDrafter",
+    "TargetCheckedDrafter", "TreeSampler",
     "LookaheadSafe", "SessionBound", "PeekingBlockPolicy",
     "AcceptResult", "BatchState", "DraftBlock", "KVView", "Request", "RoundRecord", "RowState", "SamplingParams",
     "SharedKV", "VerifyResult", *sorted(_LAZY),

@@ -5,7 +5,7 @@ shared model), so a noisy host drifts the same way for all four.
     python scripts/bench_fusion.py [REPEATS] [TARGET]
 
 Prints each engine's median tokens/s, the ratio of medians to stock mlx-lm and the
-paired median ratio (docs/benchmarks.md (t)).  mlx-lm on the fused modules against
+paired median ratio (docs/benchmarks.md, "The round loop without a drafter").  mlx-lm on the fused modules against
 mtpflow on the fused modules is the round loop's own cost; mtpflow fused against
 stock mlx-lm is what `mtpflow bench` reports with the defaults.
 """

@@ -8,7 +8,7 @@ On ``mlx[cpu]`` the thread that calls ``mx.eval`` / ``mx.async_eval`` pays for s
 node of the graph, so the host thread, not the compute, bounds a tiny model's tokens/s. Its CPU
 time (``time.thread_time``, which a neighbour's load barely moves, unlike wall time) splits into:
 submitting graphs (inside ``mx.eval`` / ``mx.async_eval``), building the model's graph (inside the
-text model's ``__call__``) and all other Python (docs/benchmarks.md (s)).
+text model's ``__call__``) and all other Python (docs/benchmarks.md, "What limits speed on this CPU").
 """
 
 import collections

@@ -5,7 +5,7 @@ drifts the same way for all three.
     python scripts/bench_submit_layers.py [REPEATS] [TARGET] [BENCH FLAGS...]
 
 Prints each engine's median tokens/s, the ratio of medians to mlx-lm and the
-paired median ratio (docs/benchmarks.md (r)).  mlx-lm runs its own modules; mtpflow
+paired median ratio (docs/benchmarks.md, "What limits speed on this CPU").  mlx-lm runs its own modules; mtpflow
 runs with the bench's defaults (fused modules on a CPU device: ``--fuse-ops off``
 after TARGET compares the two loops on the same modules, as in (r) and (s)).
 """

@@ -11,7 +11,7 @@ first rolls the cache back to the context (host bookkeeping only, as a round's o
 instead, M = each of ``--tokens`` (the rows one product of a verify gets at batch 1); that weight
 stays in the CPU's cache, where a forward streams its weights from memory.  Prints the median
 milliseconds and the ratio to the first size.  On the CPU with OpenBLAS the cost is not monotone
-in the row count (docs/benchmarks.md (p)); this is how to see it on a machine.
+in the row count (docs/benchmarks.md, "Chains and trees"); this is how to see it on a machine.
 """
 
 from __future__ import annotations

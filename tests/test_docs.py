@@ -166,3 +166,16 @@ def test_documented_target_adapter_loads_and_runs(installed_examples, monkeypatc
     plain = load_session(load_config(overrides={"model": {"model": str(llama)}}))
     assert type(s.target).__name__ == "MyLlama"
     assert generate(s, IDS, max_tokens=8).tokens == generate(plain, IDS, max_tokens=8).tokens
+
+
+def test_every_optional_capability_is_documented_with_its_members():
+    from mtpflow import api
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    table = text.split("## Optional capabilities", 1)[1].split("\n## ", 1)[0]
+    for kind, protos in api.CAPABILITIES.items():
+        for proto in protos:
+            row = next((line for line in table.splitlines() if line.startswith(f"| `{proto.__name__}` |")), None)
+            assert row is not None, f"docs/plugins.md does not list {proto.__name__}"
+            for member in api.protocol_members(proto):
+                assert member in row, f"{proto.__name__}: {member} not in its row"

@@ -87,7 +87,7 @@ def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
     exs = load_features(tmp_path / "f")
     assert sorted(len(e) for e in exs) == sorted(len(p) + 6 for p in prompts)
     # examples of one shard are views of one array per field, not each a copy of the shard's
-    # (session 10: per-example copies multiplied the memory by the shard size and hit OOM)
+    # (per-example copies multiplied the memory by the shard size and ran out of memory)
     a, b = exs[0], exs[1]
     assert a.hidden.base is not None and a.hidden.base is b.hidden.base
     for t in a.kv:

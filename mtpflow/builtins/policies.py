@@ -6,9 +6,9 @@ from mtpflow import hookimpl
 #: the shapes the adaptive policy measures with ``[draft] tree = "auto"``: 7, 11, 16, 16
 #: and 45 tokens verified per round.  The 15-node tree sized to a 2-core CPU's 16-token
 #: sweet spot (a 16-token verify costs less than an 11-14-token one with OpenBLAS,
-#: docs/benchmarks.md (p)) is ``dynamic:8:7:3:15``: 21 candidates drafted, the 15 most
+#: docs/benchmarks.md, "Chains and trees") is ``dynamic:8:7:3:15``: 21 candidates drafted, the 15 most
 #: probable verified (EAGLE-2's re-ranking), which accepted a little more per round than
-#: the plain 15-node ``dynamic:8:5:3`` in one 16-prompt run (τ 1.87 against 1.84, (u):
+#: the plain 15-node ``dynamic:8:5:3`` in one 16-prompt run (τ 1.87 against 1.84:
 #: tentative), which had itself replaced ``4,2,1``; the same list serves every backend
 AUTO_TREES = ("2,1,1", "2,2,1", "3,2,1", "dynamic:8:7:3:15", "4,2,2,1")
 

