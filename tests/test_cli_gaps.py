@@ -31,3 +31,34 @@ def test_float32_moe_and_half_precision_dense_targets_still_load(capsys):
     assert rc == 0, err
     rc, out, err = generate(capsys, "--dtype", "bfloat16", "--prompt-ids", "5,6,7", "--json", model=E_TARGET, max_tokens=2)
     assert rc == 0, err and len(json.loads(out)["tokens"]) == 2
+
+
+@pytest.mark.parametrize("kind, config, words", [
+    ("assistant", '{"num_hidden_laers": 1}', ["$: unknown key(s) num_hidden_laers", "num_hidden_layers"]),
+    ("eagle3", '{"draft_vocab": 512}', ["$: unknown key(s) draft_vocab", "draft_vocab_size"]),
+    ("dflash", '{"block_size": 0}', ["$.block_size: must be >= 1"]),
+    ("eagle3", '{"aux_layer_ids": [1, "2"]}', ["$.aux_layer_ids[1]", "integer"]),
+    ("assistant", '{"num_hidden_layers": 1', ["--drafter-config", "not valid JSON"]),
+])
+def test_drafter_config_is_checked_before_anything_loads(capsys, monkeypatch, tmp_path, kind, config, words):
+    import mtpflow.train.loop as loop
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(loop, "_load_target", no_load)
+    rc, out, err = run(capsys, "train", "--kind", kind, "--target", E_TARGET, "--data", "selfgen:4", "--out",
+                       tmp_path / "out", "--drafter-config", config)
+    assert_user_error(rc, err, "--drafter-config", *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_drafter_config_file_is_checked_too(tmp_path):
+    from mtpflow.config import ConfigError, drafter_options
+
+    f = tmp_path / "d.json"
+    f.write_text('{"num_hidden_layers": 1, "draft_vocab_size": 64}')
+    assert drafter_options("assistant", str(f)) == {"num_hidden_layers": 1, "draft_vocab_size": 64}
+    f.write_text('{"lm_head": "mine"}')
+    with pytest.raises(ConfigError, match=r"--drafter-config .*d.json: \$.lm_head: must be one of 'target', 'own'"):
+        drafter_options("assistant", str(f))
