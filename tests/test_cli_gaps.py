@@ -62,3 +62,34 @@ def test_drafter_config_file_is_checked_too(tmp_path):
     f.write_text('{"lm_head": "mine"}')
     with pytest.raises(ConfigError, match=r"--drafter-config .*d.json: \$.lm_head: must be one of 'target', 'own'"):
         drafter_options("assistant", str(f))
+
+
+def test_empty_prompt_ids_is_an_error_not_the_default_prompt(capsys):
+    for value in ("", " , "):
+        rc, out, err = generate(capsys, "--prompt-ids", value)
+        assert_user_error(rc, err, "--prompt-ids", "no token id")
+        assert out == ""
+
+
+def test_max_tokens_has_the_servers_context_limit(capsys):
+    from mtpflow.server import DEFAULT_MAX_CONTEXT
+
+    rc, out, err = generate(capsys, "--prompt-ids", "5,6,7", max_tokens=100_000_000)
+    assert_user_error(rc, err, "--max-tokens 100000000", f"context limit of {DEFAULT_MAX_CONTEXT}")
+    # a prompt that leaves too little room, and the limit raised as on the server
+    rc, out, err = generate(capsys, "--prompt-ids", "5,6,7", max_tokens=DEFAULT_MAX_CONTEXT - 2)
+    assert_user_error(rc, err, "prompt (3 tokens)", f"at most {DEFAULT_MAX_CONTEXT - 3}")
+    rc, out, err = generate(capsys, "--prompt-ids", "5,6,7", "--max-context", 6, "--json", max_tokens=3)
+    assert rc == 0, err
+    assert len(json.loads(out)["tokens"]) <= 3
+
+
+def test_plain_prompts_file_output_separates_the_answers(capsys, tmp_path):
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("beca daka doli bugi\ngane bate dozi behe base\nbeca beca\n")
+    rc, out, err = generate(capsys, "--prompts-file", pf, "--json", max_tokens=4)
+    assert rc == 0, err
+    texts = [r["text"] for r in json.loads(out)["results"]]  # JSON output unchanged
+    rc, out, err = generate(capsys, "--prompts-file", pf, max_tokens=4)
+    assert rc == 0, err
+    assert out == "\n\n---\n".join(texts) + "\n"
