@@ -277,6 +277,7 @@ def _generate(args, cfg, log) -> int:
         draft_kind=session.draft_kind,
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
+        draft_tree=session.config.draft.tree if session.drafter is not None else "off",
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:

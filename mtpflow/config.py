@@ -74,6 +74,8 @@ def _check_tree(value) -> None:
 
 #: block size when neither the config nor the drafter checkpoint names one
 FALLBACK_BLOCK_SIZE = 4
+#: the largest block size
+MAX_BLOCK_SIZE = 32
 
 
 @frozen(kw_only=True)
@@ -101,8 +103,8 @@ class DraftConfig:
     tree: str = field(default="off", validator=lambda i, a, v: _check_tree(v))
 
     def __attrs_post_init__(self):
-        if self.block_size is not None and self.block_size > 32:
-            raise FieldError("block_size", f"must be <= 32 (got {self.block_size})")
+        if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
+            raise FieldError("block_size", f"must be <= {MAX_BLOCK_SIZE} (got {self.block_size})")
 
     @property
     def size(self) -> int:

@@ -262,10 +262,18 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     """Fill in what ``[draft]`` leaves unset: the block size (the drafter
     checkpoint's recommendation, else :data:`~mtpflow.config.FALLBACK_BLOCK_SIZE`)
     and the policy (``auto``: ``fixed`` when a block size was given, else
-    ``adaptive``)."""
+    ``adaptive``).  A tree shape without a block size is verified every
+    round (policy ``auto``: ``fixed``), its block size the tokens it verifies
+    (its nodes + 1)."""
     d = config.draft
     policy = d.policy if d.policy != "auto" else ("fixed" if d.block_size is not None else "adaptive")
     block = d.block_size
+    if block is None and d.tree not in ("off", "auto"):
+        from .config import MAX_BLOCK_SIZE
+        from .state import TreeShape
+
+        block = min(TreeShape.parse(d.tree).nodes + 1, MAX_BLOCK_SIZE)
+        policy = "fixed" if d.policy == "auto" else policy
     if block is None:
         if drafter_cls is not None and drafter_config is not None:
             block = getattr(drafter_cls, "recommended_block_size", recommended_block_size)(drafter_config, drafter_path)

@@ -93,3 +93,21 @@ def test_plain_prompts_file_output_separates_the_answers(capsys, tmp_path):
     rc, out, err = generate(capsys, "--prompts-file", pf, max_tokens=4)
     assert rc == 0, err
     assert out == "\n\n---\n".join(texts) + "\n"
+
+
+def test_a_tree_shape_without_a_block_size_is_verified_every_round_and_reported(capsys):
+    rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--prompt", PROMPT, "--draft-tree", "4,2,1", "--json",
+                            max_tokens=24)
+    assert rc == 0, err
+    st = json.loads(out)["stats"]
+    assert st["block_policy"] == "fixed" and st["block_size"] == 4 + 8 + 8 + 1, st  # the tree's nodes + the root
+    assert st["draft_tree"] == "4,2,1"
+    tree_rounds = st["tree_rounds"]["[4,2,1]"]
+    # every round but the last few, where the remaining budget is shallower than the tree
+    assert tree_rounds >= st["rounds"] - 3 and tree_rounds == st["block_sizes"]["4"], st
+    rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--prompt", PROMPT, "--draft-tree", "4,2,1", max_tokens=24)
+    assert rc == 0, err
+    line = err.strip().splitlines()[-1]
+    assert "policy fixed" in line and f"tree 4,2,1: [4,2,1]×{tree_rounds}" in line, line
+    rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--prompt", PROMPT, max_tokens=8)
+    assert "tree" not in err.strip().splitlines()[-1]  # chains only: no tree part
