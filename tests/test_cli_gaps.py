@@ -111,3 +111,14 @@ def test_a_tree_shape_without_a_block_size_is_verified_every_round_and_reported(
     assert "policy fixed" in line and f"tree 4,2,1: [4,2,1]×{tree_rounds}" in line, line
     rc, out, err = generate(capsys, "--draft-model", E_DRAFTER, "--prompt", PROMPT, max_tokens=8)
     assert "tree" not in err.strip().splitlines()[-1]  # chains only: no tree part
+
+
+def test_bench_with_one_repeat_warns_that_its_ratios_are_noise(capsys, tmp_path):
+    rc, out, err = run(capsys, "bench", "--target", E_TARGET, "--draft-model", E_DRAFTER, "--prompts", "tiny",
+                       "--block-sizes", "2", "--batch-sizes", "1", "--repeats", "1", "--warmup", "0", "--max-tokens", 2,
+                       "--num-prompts", 1, "--out", tmp_path, "--no-progress", "--no-plots", "--no-default")
+    assert rc == 0, err
+    warning = [ln for ln in err.splitlines() if ln.startswith("warning: --repeats 1")]
+    assert len(warning) == 1 and "noise" in warning[0], err
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["warnings"] == [warning[0][len("warning: "):]]
