@@ -122,3 +122,25 @@ def test_bench_with_one_repeat_warns_that_its_ratios_are_noise(capsys, tmp_path)
     assert len(warning) == 1 and "noise" in warning[0], err
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
     assert meta["warnings"] == [warning[0][len("warning: "):]]
+
+
+def test_eval_out_without_matplotlib_says_so_and_shows_progress(capsys, monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m.split(".")[0] == "matplotlib" else real(m, *a))
+    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("beca daka doli bugi\ngane bate dozi behe base\n")
+    out = tmp_path / "eval"
+    rc, stdout, err = run(capsys, "eval", "--target", E_TARGET, "--draft-model", E_DRAFTER, "--prompts", prompts,
+                          "--max-tokens", 3, "--out", out)
+    assert rc == 0, err
+    assert (out / "eval.json").is_file() and not (out / "acceptance.png").exists()
+    said = [ln for ln in err.splitlines() if "matplotlib" in ln]
+    assert len(said) == 1 and "acceptance.png will not be written" in said[0] and "pip install" in said[0], err
+    assert "2/2" in err, err  # the progress over the prompts
+    assert json.loads(stdout)["num_prompts"] == 2
