@@ -495,15 +495,14 @@ def prompt_ids(tokenizer, prompt, chat_template: bool | None = None, system_prom
     one; ``True`` = it must (an error when the tokenizer has none);
     ``False`` = text is encoded plainly.  ``system_prompt``: a system message
     before the user turn (needs the template)."""
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if not isinstance(prompt, str) and not any(isinstance(m, dict) for m in prompt):
         if system_prompt is not None:
             raise ValueError("system_prompt goes with a text prompt or messages, not token ids")
-        return [int(t) for t in prompt]
+        return list(prompt)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer; pass token ids")
-    if not isinstance(prompt, str):
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
+    if not isinstance(prompt, str) and not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
     has = bool(getattr(tokenizer, "chat_template", None))
     if chat_template and not has:
         raise ValueError("this tokenizer has no chat template; leave chat_template unset (or False) to encode plain text")
