@@ -717,6 +717,11 @@ def _plots(result: dict, out: Path) -> list[str]:
     return files
 
 
+#: the warning of a run with one timed repeat per variant
+ONE_REPEAT = ("--repeats 1: one timed run per variant, so its tokens/s and ratios are noise (a 2x ratio can be "
+              "chance); use --repeats 3 or more to compare variants")
+
+
 def run_bench(args) -> int:
     from .backend.blas import ensure_fast_blas
 
@@ -833,6 +838,7 @@ def run_bench(args) -> int:
             "chat_template": chat,
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
+            "warnings": [ONE_REPEAT] if args.repeats == 1 else [],
             "warmup": args.warmup,
             "policy": args.policy,
             "block_sizes": args.block_sizes,
@@ -854,6 +860,8 @@ def run_bench(args) -> int:
     result["plots"] = []
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))  # the figures first
     print(format_table(result), file=sys.stderr)
+    if args.repeats == 1:  # (also in bench.json's meta)
+        print(f"warning: {ONE_REPEAT}", file=sys.stderr)
     if not args.no_plots:
         result["plots"] = _plots({**result, "variants": ok}, out)
         (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))

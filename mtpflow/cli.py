@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--audio", action="append", default=[], metavar="PATH_OR_DATA_URL",
                    help="an audio clip for the prompt (checkpoints with an audio tower); repeatable (default: none)")
     g.add_argument("--max-tokens", "-m", type=int, help="tokens to generate (default: 256)")
+    g.add_argument("--max-context", type=int, help="limit on prompt + --max-tokens, as the server's --max-context "
+                                                   "(default: the server's, 8192)")
     g.add_argument("--temp", type=float, help="sampling temperature, 0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling, 1 = off (default: 1.0)")
     g.add_argument("--top-k", type=int, help="top-k sampling, 0 = off (default: 0)")
@@ -199,17 +201,27 @@ def _generate(args, cfg, log) -> int:
 
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise CLIError(f"--seed must be in [0, 2**63) (got {args.seed})")
+    from .server import DEFAULT_MAX_CONTEXT
+
+    if args.max_context is not None and args.max_context < 2:
+        raise CLIError(f"--max-context must be at least 2 (got {args.max_context})")
+    limit, max_tokens = args.max_context or DEFAULT_MAX_CONTEXT, cfg.generation.max_tokens
+    if max_tokens >= limit:  # no prompt fits: say so before loading anything
+        raise CLIError(f"--max-tokens {max_tokens} leaves no room for a prompt in the context limit of {limit} tokens; "
+                       f"ask for fewer tokens, or raise --max-context")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         session = load_session(cfg, log=log)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
 
-    if args.prompt_ids:
+    if args.prompt_ids is not None:
         try:
             prompts = [[int(x) for x in args.prompt_ids.split(",") if x.strip()]]
         except ValueError:
             raise CLIError("--prompt-ids must be comma-separated integers") from None
+        if not prompts[0]:
+            raise CLIError("--prompt-ids holds no token id; pass comma-separated ids, e.g. --prompt-ids 1,2,3")
     elif args.prompts_file:
         lines = [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
         if not lines:
@@ -224,7 +236,7 @@ def _generate(args, cfg, log) -> int:
     if args.image or args.audio:  # through the checkpoint's processor and chat template, as mlx_vlm.generate
         from .media import encode_prompt_with_media
 
-        if args.prompt_ids or args.prompts_file:
+        if args.prompt_ids is not None or args.prompts_file:
             raise CLIError("--image / --audio go with --prompt (not --prompt-ids or --prompts-file)")
         ids, media = encode_prompt_with_media(session, text, args.image, args.audio, chat=args.chat_template,
                                               system=args.system_prompt)
@@ -233,6 +245,9 @@ def _generate(args, cfg, log) -> int:
     for p in prompts:
         if not p:
             raise CLIError("the prompt encodes to no tokens")
+        if len(p) + max_tokens > limit:  # the server's limit (mtpflow serve --max-context)
+            raise CLIError(f"prompt ({len(p)} tokens) + --max-tokens {max_tokens} exceeds the context limit of {limit} "
+                           f"tokens; ask for at most {max(limit - len(p), 0)} tokens, or raise --max-context")
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise CLIError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -268,6 +283,7 @@ def _generate(args, cfg, log) -> int:
         head=session.selection.get("head"),
         sampler=session.selection.get("sampler"),
         batch_policy=session.selection.get("batch_policy"),
+        draft_tree=session.config.draft.tree if session.drafter is not None else "off",
     )
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:
@@ -282,7 +298,9 @@ def _generate(args, cfg, log) -> int:
         if stream:
             print()
         else:
-            for r in reqs:
+            for i, r in enumerate(reqs):
+                if i:
+                    print("\n---")  # a blank line and a rule between answers
                 print(decode(outs[r.id]) if session.tokenizer is not None else outs[r.id])
         print(format_stats(ntok, stats, policy), file=sys.stderr)
     return 0

@@ -75,6 +75,8 @@ def _check_tree(value) -> None:
 
 #: block size when neither the config nor the drafter checkpoint names one
 FALLBACK_BLOCK_SIZE = 4
+#: the largest block size
+MAX_BLOCK_SIZE = 32
 
 
 @frozen(kw_only=True)
@@ -102,8 +104,8 @@ class DraftConfig:
     tree: str = field(default="off", validator=lambda i, a, v: _check_tree(v))
 
     def __attrs_post_init__(self):
-        if self.block_size is not None and self.block_size > 32:
-            raise FieldError("block_size", f"must be <= 32 (got {self.block_size})")
+        if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
+            raise FieldError("block_size", f"must be <= {MAX_BLOCK_SIZE} (got {self.block_size})")
 
     @property
     def size(self) -> int:
@@ -398,6 +400,55 @@ def _field_errors(cls, table: dict, path: str) -> list[str]:
             msg = exc.msg if isinstance(exc, FieldError) else str(exc)
             out.append(f"{path}.{f.name}: {msg}")
     return out
+
+
+#: ``mtpflow train --kind K --drafter-config``: each kind's attrs options class
+TRAIN_OPTIONS = {
+    "assistant": "mtpflow.drafters.mtpflow_assistant.config:TrainOptions",
+    "eagle3": "mtpflow.drafters.eagle3.config:TrainOptions",
+    "dflash": "mtpflow.drafters.dflash.config:TrainOptions",
+}
+
+
+def drafter_options(kind: str, value) -> dict | None:
+    """``--drafter-config`` of a training run of ``kind``: ``None``, inline
+    JSON, the path of a JSON file or a dict; returned as a dict after its keys
+    and values are checked against the kind's options class (unknown keys and
+    bad values are one-line errors with their path, before anything loads).
+    A complete assistant ``config.json`` (``model_type`` set) is returned as
+    it is: it is checked against the target."""
+    import importlib
+    import json
+
+    if value is None:
+        return None
+    where = "--drafter-config"
+    if isinstance(value, (str, Path)):
+        text = str(value)
+        if not text.lstrip().startswith("{"):
+            where = f"--drafter-config {text}"
+            try:
+                text = Path(text).expanduser().read_text()
+            except OSError as exc:
+                raise ConfigError(f"{where}: cannot be read ({exc.strerror or exc}); pass a JSON file or inline JSON") from None
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a JSON object of options, got {type(value).__name__}")
+    if kind == "assistant" and value.get("model_type"):
+        return dict(value)
+    module, _, name = TRAIN_OPTIONS[kind].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    try:
+        structure_settings(cls, value, "$")
+    except ConfigError as exc:
+        import attrs
+
+        known = f" (the {kind} kind's options: {', '.join(f.name for f in attrs.fields(cls))})"
+        raise ConfigError(f"{where}: {exc}{known if 'unknown key' in str(exc) else ''}") from None
+    return dict(value)
 
 
 def unstructure(cfg: Config) -> dict:

@@ -288,10 +288,18 @@ def resolve_draft_config(config: Config, drafter_cls=None, drafter_config: dict 
     """Fill in what ``[draft]`` leaves unset: the block size (the drafter
     checkpoint's recommendation, else :data:`~mtpflow.config.FALLBACK_BLOCK_SIZE`)
     and the policy (``auto``: ``fixed`` when a block size was given, else
-    ``adaptive``)."""
+    ``adaptive``).  A tree shape without a block size is verified every
+    round (policy ``auto``: ``fixed``), its block size the tokens it verifies
+    (its nodes + 1)."""
     d = config.draft
     policy = d.policy if d.policy != "auto" else ("fixed" if d.block_size is not None else "adaptive")
     block = d.block_size
+    if block is None and d.tree not in ("off", "auto"):
+        from .config import MAX_BLOCK_SIZE
+        from .state import TreeShape
+
+        block = min(TreeShape.parse(d.tree).nodes + 1, MAX_BLOCK_SIZE)
+        policy = "fixed" if d.policy == "auto" else policy
     if block is None:
         if drafter_cls is not None and drafter_config is not None:
             hint = drafter_cls.recommended_block_size if has(drafter_cls, BlockSizeHint) else recommended_block_size
@@ -566,15 +574,14 @@ def prompt_ids(tokenizer, prompt, chat_template: bool | None = None, system_prom
     one; ``True`` = it must (an error when the tokenizer has none);
     ``False`` = text is encoded plainly.  ``system_prompt``: a system message
     before the user turn (needs the template)."""
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if not isinstance(prompt, str) and not any(isinstance(m, dict) for m in prompt):
         if system_prompt is not None:
             raise ValueError("system_prompt goes with a text prompt or messages, not token ids")
-        return [int(t) for t in prompt]
+        return list(prompt)
     if tokenizer is None:
         raise ValueError("this model has no tokenizer; pass token ids")
-    if not isinstance(prompt, str):
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
+    if not isinstance(prompt, str) and not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        raise ValueError("a prompt is text, token ids or a list of {'role': ..., 'content': ...} messages")
     has = bool(getattr(tokenizer, "chat_template", None))
     if chat_template and not has:
         raise ValueError("this tokenizer has no chat template; leave chat_template unset (or False) to encode plain text")

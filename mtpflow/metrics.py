@@ -53,6 +53,8 @@ class SpecDecodingStats:
     emitted_tokens: int = 0
     produced_tokens: int = 0
     block_sizes: dict[int, int] = field(factory=dict)
+    #: rounds that verified a draft tree, per tree shape
+    trees: dict[str, int] = field(factory=dict)
     draft_s: float = 0.0
     verify_s: float = 0.0
     host_s: float = 0.0
@@ -66,6 +68,8 @@ class SpecDecodingStats:
         self.emitted_tokens += sum(record.emitted)
         self.produced_tokens += sum(record.produced_tokens)
         self.block_sizes[record.block_size] = self.block_sizes.get(record.block_size, 0) + 1
+        if getattr(record, "tree", None) is not None:
+            self.trees[record.tree] = self.trees.get(record.tree, 0) + 1
         self.draft_s += record.draft_s
         self.verify_s += record.verify_s
         self.host_s += record.host_s
@@ -106,6 +110,7 @@ class SpecDecodingStats:
             "emitted_tokens": self.emitted_tokens,
             "produced_tokens": self.produced_tokens,
             "block_sizes": {str(k): v for k, v in sorted(self.block_sizes.items())},
+            "tree_rounds": dict(self.trees),
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "host_s": round(self.host_s, 6),
@@ -117,8 +122,9 @@ class SpecDecodingStats:
 def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
     """The CLI's one-line summary of ``tokens`` generated: every number with the same formatting,
     acceptance ``-`` when nothing was drafted, what ran (drafter kind, head,
-    sampler, block policy, batch policy, as far as ``stats`` names them) and
-    the block sizes it ran (``size×rounds``)."""
+    sampler, block policy, batch policy, as far as ``stats`` names them), the
+    block sizes it ran (``size×rounds``), the dtype and, with ``--draft-tree``,
+    the rounds that verified a tree (``shape×rounds``)."""
 
     def num(x, nd=2):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -143,4 +149,7 @@ def format_stats(tokens: int, stats: dict, policy: str | None = None) -> str:
     parts.append(f"blocks {blocks}")
     if stats.get("dtype"):
         parts.append(str(stats["dtype"]))
+    trees = stats.get("tree_rounds") or {}
+    if trees or stats.get("draft_tree") not in (None, "off"):
+        parts.append(f"tree {stats.get('draft_tree')}: " + (" ".join(f"{k}×{v}" for k, v in trees.items()) or "no round"))
     return "[" + ", ".join(parts) + "]"

@@ -218,11 +218,12 @@ def test_sigterm_checkpoints_the_finished_step_and_the_run_resumes_to_the_same_l
 
     monkeypatch.setattr(data, "batches", batches)
     out = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainingInterrupted) as info:
         train(PAIR_E, DRAFTER, "selfgen:16:24", out, **RUN)
     assert info.value.step == 5 and info.value.signum == signal.SIGTERM
     assert "resume from step 5" in str(info.value)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # the handlers are put back
     assert read_state(out / "checkpoint")["step"] == 5  # checkpoint_every 3: step 5 saved on the signal
     monkeypatch.setattr(data, "batches", real)
     train(PAIR_E, DRAFTER, "selfgen:16:24", out, **RUN)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import time
 
 import numpy as np
@@ -126,14 +127,17 @@ def encode_prompts(tokenizer, prompts, chat: bool = True) -> list[list[int]]:
 
 
 def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int = 128, chat: bool = True,
-             batch_size: int = 1, dtype: str = "float32", out_dir=None, label: str | None = None) -> dict:
+             batch_size: int = 1, dtype: str = "float32", out_dir=None, label: str | None = None,
+             progress: bool = False) -> dict:
     """tau and acceptance per position of ``drafter`` on ``prompts``.
 
     ``target``: a model path / repo id, or a ready :class:`~mtpflow.engine.Session`
     (then ``drafter`` is ignored).  ``prompts``: a prompt-set spec (see the
     module docstring) or a list of strings / token-id lists.  With ``out_dir``
-    the result is written to ``eval.json`` and ``acceptance.png``."""
+    the result is written to ``eval.json`` and ``acceptance.png``.  ``progress``:
+    a progress bar over the prompts on stderr."""
     from ..engine import generate_stream, make_request
+    from .loop import _Progress
 
     log = _RoundCollector()
     session = _session(target, drafter, block_size, dtype, log)
@@ -144,10 +148,15 @@ def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int =
     session.reset_stats()
     t0 = time.perf_counter()
     n_tok = 0
-    for s in range(0, len(ids), batch_size):
-        reqs = [make_request(session, p, max_tokens=max_tokens, request_id=str(s + j)) for j, p in enumerate(ids[s : s + batch_size])]
-        for ev in generate_stream(session, reqs):
-            n_tok += len(ev.tokens)
+    bar = _Progress(len(ids), 0, progress, desc="eval")
+    try:
+        for s in range(0, len(ids), batch_size):
+            reqs = [make_request(session, p, max_tokens=max_tokens, request_id=str(s + j)) for j, p in enumerate(ids[s : s + batch_size])]
+            for ev in generate_stream(session, reqs):
+                n_tok += len(ev.tokens)
+            bar.update(min(s + batch_size, len(ids)), f"{n_tok} tokens")
+    finally:
+        bar.close()
     elapsed = time.perf_counter() - t0
     drafted = [0] * max(0, block_size - 1)
     accepted = [0] * len(drafted)
@@ -349,6 +358,9 @@ def add_eval_arguments(p) -> None:
 def run_eval(args) -> int:
     if args.features and not args.offline:
         raise SystemExit("mtpflow eval: --features needs --offline")
+    if args.out and import_util.find_spec("matplotlib") is None:
+        print(f"mtpflow eval: {Path(args.out) / 'acceptance.png'} will not be written: matplotlib is not installed "
+              '(pip install "mtpflow[bench]"); eval.json will be', file=sys.stderr)
     if args.offline:
         result = offline_evaluate(args.target, args.draft_model, args.prompts, block_size=args.block_size,
                                   max_tokens=args.max_tokens, chat=not args.no_chat, features_dir=args.features,
@@ -356,6 +368,7 @@ def run_eval(args) -> int:
         print(json.dumps(result))
         return 0
     result = evaluate(args.target, args.draft_model, args.prompts, block_size=args.block_size, max_tokens=args.max_tokens,
-                      chat=not args.no_chat, batch_size=args.batch_size, dtype=args.dtype, out_dir=args.out)
+                      chat=not args.no_chat, batch_size=args.batch_size, dtype=args.dtype, out_dir=args.out,
+                      progress=True)
     print(json.dumps(result))
     return 0

@@ -666,6 +666,9 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     cfg = config or TrainConfig()
     if overrides:
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
+    from ..config import drafter_options
+
+    drafter_config = drafter_options(cfg.kind, drafter_config)  # checked before anything loads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ranks = world()
@@ -783,9 +786,7 @@ def add_train_arguments(p) -> None:
 
 
 def run_train(args) -> int:
-    dc = args.drafter_config
-    if dc is not None and dc.lstrip().startswith("{"):
-        dc = json.loads(dc)
+    dc = args.drafter_config  # inline JSON or a file: checked by train() before anything loads
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr, warmup=args.warmup,
         min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip, unroll=args.unroll,

@@ -15,6 +15,25 @@ from ...errors import IncompatibleDrafter
 ARCHITECTURES = ("DFlashDraftModel",)
 
 
+def _positive(inst, attribute, value):
+    if value is not None and value < 1:
+        raise ValueError(f"must be >= 1 (got {value})")
+
+
+@attrs.frozen(kw_only=True)
+class TrainOptions:
+    """``mtpflow train --kind dflash --drafter-config`` options (unset: the
+    defaults of :class:`mtpflow.train.kinds.DFlashTrainer`)."""
+
+    block_size: int = attrs.field(default=8, validator=_positive)
+    num_hidden_layers: int = attrs.field(default=2, validator=_positive)
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = attrs.field(default=None, validator=_positive)
+    intermediate_size: int | None = attrs.field(default=None, validator=_positive)
+
+
 @attrs.frozen(kw_only=True)
 class DFlashConfig:
     hidden_size: int

@@ -25,6 +25,26 @@ SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Qwen3ForCausalLMEagle3")
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 
 
+def _positive(inst, attribute, value):
+    if value is not None and value < 1:
+        raise ValueError(f"must be >= 1 (got {value})")
+
+
+@attrs.frozen(kw_only=True)
+class TrainOptions:
+    """``mtpflow train --kind eagle3 --drafter-config`` options (the
+    arguments of :func:`mtpflow.drafters.eagle3.export.new_config`; unset:
+    ``speculators train``'s defaults for the target)."""
+
+    draft_vocab_size: int | None = attrs.field(default=None, validator=_positive)
+    aux_layer_ids: list[int] | None = None
+    intermediate_size: int | None = attrs.field(default=None, validator=_positive)
+    sliding_window: int | None = attrs.field(default=None, validator=_positive)
+    norm_before_residual: bool = True
+    norm_before_fc: bool = True
+    norm_output: bool = True
+
+
 @attrs.frozen(kw_only=True)
 class Eagle3Config:
     format: str  # "speculators" | "specforge"

@@ -26,12 +26,39 @@ A drafter ``config.json``::
 
 from __future__ import annotations
 
+from typing import Literal
+
+import attrs
+
 from ...targets.base import FULL, SLIDING
 from ...targets.mlxlm import _text
 from ..base import IncompatibleDrafter  # noqa: F401  (re-exported)
 from . import MODEL_TYPES
 
 LM_HEADS = ("target", "own")
+
+
+def _positive(inst, attribute, value):
+    if value is not None and value < 1:
+        raise ValueError(f"must be >= 1 (got {value})")
+
+
+@attrs.frozen(kw_only=True)
+class TrainOptions:
+    """``mtpflow train --drafter-config`` options of the assistant kind
+    (:func:`make_config`'s arguments; unset: derived from the target)."""
+
+    num_hidden_layers: int = attrs.field(default=2, validator=_positive)
+    hidden_size: int | None = attrs.field(default=None, validator=_positive)
+    intermediate_size: int | None = attrs.field(default=None, validator=_positive)
+    layer_types: list[str] | None = None
+    lm_head: Literal["target", "own"] = "target"
+    q_norm: bool | None = None
+    #: a reduced draft vocabulary of this many of the data's most frequent tokens
+    draft_vocab_size: int | None = attrs.field(default=None, validator=_positive)
+    hidden_norm: Literal["target", "none"] = "target"
+    sliding_window: int | None = attrs.field(default=None, validator=_positive)
+    rms_norm_eps: float | None = None
 
 
 
