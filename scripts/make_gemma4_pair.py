@@ -35,7 +35,8 @@ def target_config(hidden: int, layers: int, vocab: int, window: int, dtype: str)
         hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, layer_types=types,
         num_attention_heads=heads, num_key_value_heads=1, head_dim=128, global_head_dim=256,
         hidden_size_per_layer_input=64, vocab_size=vocab, vocab_size_per_layer_input=vocab,
-        num_kv_shared_layers=layers // 3, sliding_window=window, max_position_embeddings=8192, dtype=dtype,
+        # the shared layers read the last full and sliding layers before them
+        num_kv_shared_layers=max(0, min(layers // 3, layers - 1 - types.index("full_attention"))), sliding_window=window, max_position_embeddings=8192, dtype=dtype,
     )
     return cfg
 
