@@ -38,6 +38,17 @@ from pathlib import Path
 from . import hookimpl
 from .metrics import tau
 
+#: ``--preset NAME``: argument values a preset sets where the command line leaves the default
+PRESETS = {
+    "device": {
+        "block_sizes": [2, 3, 5], "batch_sizes": [1, 4], "trees": "auto", "repeats": 2, "warmup": 1,
+        "max_tokens": 48, "num_prompts": 4, "no_default": True, "no_plots": True, "verify_cost": True,
+    },
+}
+#: the verify-cost curve: target forwards of this many tokens (batch 1) on a cache of VERIFY_CONTEXT tokens
+VERIFY_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
+VERIFY_CONTEXT = 128
+
 PROMPT_SETS = ("tiny", "mtbench", "humaneval")
 CHAT_SETS = ("mtbench",)
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_gemma4"
@@ -107,6 +118,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the default variant (the adaptive policy from the drafter's recommended block size, as `mtpflow generate` runs it)")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="device: a few-minute accelerator run (null path and mlx-lm, chains at block sizes 2, 3, 5, "
+                        "one tree, batches 1 and 4, each shape warmed once, plus the verify-cost curve); flags given "
+                        "explicitly win over the preset")
 
 
 # --------------------------------------------------------------------------------------
@@ -720,12 +735,63 @@ def _plots(result: dict, out: Path) -> list[str]:
 #: the warning of a run with one timed repeat per variant
 ONE_REPEAT = ("--repeats 1: one timed run per variant, so its tokens/s and ratios are noise (a 2x ratio can be "
               "chance); use --repeats 3 or more to compare variants")
+def apply_preset(args) -> argparse.Namespace:
+    """``args`` with ``--preset``'s values wherever the command line left a default."""
+    preset = PRESETS.get(getattr(args, "preset", None) or "", {})
+    if not preset:
+        return args
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    out = argparse.Namespace(**vars(args))
+    for k, v in preset.items():
+        if getattr(args, k, None) == p.get_default(k):
+            setattr(out, k, v)
+    return out
+
+
+def verify_cost(session, lengths=VERIFY_LENGTHS, context: int = VERIFY_CONTEXT, repeats: int = 3) -> list[dict]:
+    """Milliseconds of one target forward plus its LM head over ``n`` new
+    tokens (batch 1) on a cache of ``context`` tokens, for each ``n`` in
+    ``lengths``: every size warmed once, then the median of ``repeats``
+    interleaved timings, and its ratio to the first size.  The new slots are
+    trimmed after each call, so every call sees the same cache."""
+    import mlx.core as mx
+
+    t = session.target
+    V = t.vocab_size
+    ctx = [(7 * i + 3) % V for i in range(context)]
+    cache, _ = t.prefill([ctx], extra=max(lengths) + 8)
+    mx.eval([c.keys for c in cache])
+    pos = mx.array([context], dtype=mx.int32)
+
+    def once(n):
+        tokens = mx.array([[(11 * i + 5) % V for i in range(n)]], dtype=mx.int32)
+        t.set_offsets(cache, pos)
+        t0 = time.perf_counter()
+        h, _ = t.forward_with_taps(tokens, cache, (), submit=session.submit_layers)
+        mx.eval(t.logits(h))
+        dt = time.perf_counter() - t0
+        for c in cache:
+            c.trim(n)
+        return dt
+
+    for n in lengths:  # warm every shape once
+        once(n)
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(repeats):
+        for n in lengths:
+            times[n].append(once(n))
+    base = statistics.median(times[lengths[0]])
+    return [{"tokens": n, "ms": round(1e3 * statistics.median(times[n]), 4),
+             "ratio": round(statistics.median(times[n]) / base, 3) if base > 0 else None} for n in lengths]
 
 
 def run_bench(args) -> int:
     from .backend.blas import ensure_fast_blas
 
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
+    started = time.perf_counter()
+    args = apply_preset(args)
     from .backend import fusion
 
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
@@ -795,6 +861,7 @@ def run_bench(args) -> int:
     finally:
         bar.close()
 
+    curve = verify_cost(session) if getattr(args, "verify_cost", False) else None
     baselines: dict[int, Variant] = {}
     for v in variants:
         if v.kind == "target_only" and v.runs:
@@ -832,6 +899,8 @@ def run_bench(args) -> int:
             "draft_kind": session.draft_kind,
             "mlx_lm_draft_model": args.mlx_lm_draft_model,
             "dtype": {"setting": args.dtype, "ran": session.dtype},
+            "preset": getattr(args, "preset", None),
+            "profile": _profile(),
             "prompts": args.prompts,
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
@@ -856,6 +925,9 @@ def run_bench(args) -> int:
         "baselines": {str(b): v.name for b, v in baselines.items()},
         "variants": results,
     }
+    if curve is not None:
+        result["verify_cost"] = {"context": VERIFY_CONTEXT, "batch": 1, "curve": curve}
+    result["wall_s"] = round(time.perf_counter() - started, 3)
     ok = [d for d in results if "failed" not in d]
     result["plots"] = []
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))  # the figures first
@@ -867,6 +939,14 @@ def run_bench(args) -> int:
         (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))
     print(str(out / "bench.json"))
     return 0
+
+
+def _profile() -> dict:
+    """The device's tuning profile (mtpflow.backend.profiles), as bench.json records it."""
+    from .backend.profiles import TUNINGS, current
+
+    p = current()
+    return {"device": p.device, **{t: getattr(p, t) for t in (*TUNINGS, "blas_preload")}}
 
 
 def _version(dist):

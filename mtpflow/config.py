@@ -150,6 +150,8 @@ class GenerationConfig:
     #: (:mod:`mtpflow.backend.fusion`; the same values): "auto" = on a CPU device, where MLX runs RMSNorm
     #: and RoPE as graphs of primitives; "on"; "off" (mlx-lm's own modules)
     fuse_ops: Literal["auto", "on", "off"] = "auto"
+    #: pad a chain verify to a bucket length (:mod:`mtpflow.backend.shapes`): "auto" = on a GPU device
+    bucket_shapes: Literal["auto", "on", "off"] = "auto"
 
 
 @frozen(kw_only=True)

@@ -80,6 +80,18 @@ def matmul_benchmark(
     }
 
 
+def _profile_section() -> dict[str, Any]:
+    """The tunings "auto" picks on this device and the dtype "auto" runs (mtpflow.backend)."""
+    from mtpflow.backend.profiles import TUNINGS, current
+
+    p = current()
+    return {
+        "device": p.device,
+        "auto_dtype": "float32" if p.device == "cpu" else "the checkpoint's own",
+        **{t: getattr(p, t) for t in (*TUNINGS, "blas_preload")},
+    }
+
+
 def doctor_report(bench: bool = True, bench_iters: int = 15) -> dict[str, Any]:
     """Collect versions, platform, MLX device info, BLAS info and a benchmark.
 
@@ -109,6 +121,7 @@ def doctor_report(bench: bool = True, bench_iters: int = 15) -> dict[str, Any]:
         return report
     report["mlx"] = getattr(mx, "__version__", None) or report["mlx"]
     report["device"] = _mlx_section(mx)
+    report["profile"] = _profile_section()
     report["blas"] = _blas.blas_info()
     report["matmul_bench"] = matmul_benchmark(iters=bench_iters) if bench else None
     return report

@@ -108,7 +108,7 @@ class Session:
     @property
     def submit_layers(self) -> bool:
         """Whether a verify (and a draft model's forwards) starts each layer as
-        it is built (``[generation] submit_layers``; "auto": on a CPU device)."""
+        it is built (``[generation] submit_layers``; "auto": the device profile, on for a CPU)."""
         return on_for_device(self.config.generation.submit_layers, "submit_layers")
 
     def trees_supported(self, state) -> bool:

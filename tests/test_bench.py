@@ -174,3 +174,32 @@ def test_sampled_bench_runs_every_engine_at_the_same_settings(tmp_path):
     assert 20 < len(draws) <= 40
     with pytest.raises(ConfigError, match="top_p"):
         _config(parse("--top-p", "0", "--temperature", "1"))
+
+
+def test_device_preset_writes_its_figures(tmp_path):
+    """``--preset device`` at tiny size: its variants (null and mlx-lm, chains at
+    2, 3, 5, one tree, batches 1 and 4 unless told otherwise), the verify-cost
+    curve, the dtype that ran, the device profile and the wall time; flags given
+    explicitly win over the preset."""
+    from mtpflow.bench import PRESETS, VERIFY_LENGTHS
+
+    args = parse("--preset", "device", "--target", FIX / "target", "--draft-model", FIX / "drafter",
+                 "--max-tokens", 4, "--repeats", 1, "--batch-sizes", "1,2", "--out", tmp_path, "--no-progress")
+    assert run_bench(args) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert not list(tmp_path.glob("*.png"))  # the preset writes no plots
+    names = {v["name"] for v in res["variants"]}
+    ks = PRESETS["device"]["block_sizes"]
+    for b in (1, 2):
+        assert {f"mlx_lm b{b}", f"mtpflow-null b{b}", f"mtpflow-treeauto b{b}"} | {f"mtpflow-k{k} b{b}" for k in ks} == {
+            n for n in names if n.endswith(f" b{b}")}
+    assert not [v for v in res["variants"] if "failed" in v]
+    assert all(v["tokens"] == 4 * 4 for v in res["variants"])  # --max-tokens 4 over the preset's 4 prompts
+    meta = res["meta"]
+    assert meta["preset"] == "device" and meta["repeats"] == 1 and meta["warmup"] == 1 and meta["num_prompts"] == 4
+    assert meta["dtype"] == {"setting": "auto", "ran": "float32"}
+    assert meta["profile"]["device"] == "cpu" and meta["profile"]["fuse_ops"] is True
+    curve = res["verify_cost"]["curve"]
+    assert [c["tokens"] for c in curve] == list(VERIFY_LENGTHS) and all(c["ms"] > 0 for c in curve)
+    assert curve[0]["ratio"] == 1.0
+    assert 0 < res["wall_s"] < 180

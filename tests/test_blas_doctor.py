@@ -106,6 +106,8 @@ def test_doctor_report_has_keys():
     assert EXPECTED_KEYS <= report.keys()
     assert report["mtpflow"] and report["python"] and report["mlx"]
     assert {"default_device", "metal_available", "cuda_available"} <= report["device"].keys()
+    assert report["profile"]["device"] == "cpu" and report["profile"]["auto_dtype"] == "float32"
+    assert report["profile"]["fuse_ops"] is True and report["profile"]["bucket_shapes"] is False
     assert EXPECTED_BLAS_KEYS <= report["blas"].keys()
     bench = report["matmul_bench"]
     assert set(bench["median_ms"]) == {"1", "8"}

@@ -58,7 +58,7 @@ def _float_dtypes(module):
     return {v.dtype for _, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_greedy_equals_target_only_in_low_precision(kind, dtype, request):
     target, model = KINDS[kind]

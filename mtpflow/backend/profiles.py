@@ -31,6 +31,8 @@ class Profile:
     blas_preload: bool
     #: mtpflow's own elementwise chains (final-logit softcapping) as one ``mx.compile``d node
     compile_elementwise: bool
+    #: a chain verify padded to a bucket length (:mod:`mtpflow.backend.shapes`)
+    bucket_shapes: bool
     #: ``{tuning: the measurement or reason}``
     why: dict
 
@@ -42,7 +44,11 @@ PROFILES: dict[str, Profile] = {
         fuse_ops=True,
         blas_preload=True,
         compile_elementwise=True,
+        bucket_shapes=False,
         why={
+            "bucket_shapes": "measured (docs/benchmarks.md (p)): a CPU verify's cost grows with its tokens "
+                             "(and not monotonically), so padding costs compute; MLX's CPU kernels are not "
+                             "compiled per shape",
             "submit_layers": "measured (docs/benchmarks.md (r)): MLX's CPU stream keeps ~10 ops in flight, so "
                              "async_eval cannot run ahead; submitting each layer lifted the fixture's null path "
                              "from 0.924x to 0.972x mlx-lm at batch 1",
@@ -59,7 +65,11 @@ PROFILES: dict[str, Profile] = {
         fuse_ops=False,
         blas_preload=False,
         compile_elementwise=True,
+        bucket_shapes=True,
         why={
+            "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
+                             "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
+                             "48-token run took ~25 s); not measured on Metal",
             "submit_layers": "not measured on Metal: async_eval already runs ahead of the host on a GPU stream",
             "fuse_ops": "not measured on Metal: mx.fast.rms_norm and mx.fast.rope are one kernel each there, "
                         "which a compiled fallback would replace by a longer chain",
@@ -74,7 +84,11 @@ PROFILES: dict[str, Profile] = {
         fuse_ops=False,
         blas_preload=False,
         compile_elementwise=True,
+        bucket_shapes=True,
         why={
+            "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
+                             "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
+                             "48-token run took ~25 s)",
             "submit_layers": "not measured on CUDA: async_eval already runs ahead of the host on a GPU stream",
             "fuse_ops": "not measured on CUDA: mx.fast.rms_norm and mx.fast.rope are one kernel each there",
             "blas_preload": "matmuls run through cuBLAS on the GPU, not through cblas",
@@ -85,7 +99,7 @@ PROFILES: dict[str, Profile] = {
 }
 
 #: the tunings a ``[generation]`` setting may leave to the profile
-TUNINGS = ("submit_layers", "fuse_ops", "compile_elementwise")
+TUNINGS = ("submit_layers", "fuse_ops", "compile_elementwise", "bucket_shapes")
 
 
 def device_kind() -> str:

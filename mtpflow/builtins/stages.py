@@ -15,6 +15,7 @@ from mtpflow import hookimpl
 from mtpflow.api import (
     BudgetDrafter, LookaheadSafe, PeekingBlockPolicy, PrefillingDrafter, TreeDrafter, has,
 )
+from mtpflow.backend.shapes import bucketed_forward
 from mtpflow.logs import debug_enabled
 from mtpflow.state import (
     AcceptResult,
@@ -193,7 +194,8 @@ def mtpflow_verify(session, state, draft):
         hidden, taps = target.forward_tree(inputs, state.cache, state.positions[:, None] + depth, visible, session.tap_layers,
                                            submit=session.submit_layers)
     else:
-        hidden, taps = target.forward_with_taps(inputs, state.cache, session.tap_layers, submit=session.submit_layers)
+        hidden, taps = bucketed_forward(target, inputs, state.cache, session.tap_layers, session.submit_layers,
+                                        session.config.generation.bucket_shapes)
     return VerifyResult(logits=target.logits(hidden), hidden=hidden, inputs=inputs, taps=taps)
 
 

@@ -87,10 +87,13 @@ def read_eos_ids(path: Path, config: dict) -> set[int]:
 
 
 
-@partial(mx.compile, shapeless=True)
-def _softcap(logits: mx.array, cap: mx.array) -> mx.array:
-    """``tanh(logits / cap) * cap`` as one fused op (mlx-lm compiles it too)."""
+def _softcap_ops(logits: mx.array, cap: mx.array) -> mx.array:
+    """``tanh(logits / cap) * cap``."""
     return mx.tanh(logits / cap) * cap
+
+
+#: the same as one fused op (mlx-lm compiles it too)
+_softcap = mx.compile(_softcap_ops, shapeless=True)
 
 
 class Ref:
@@ -195,8 +198,11 @@ class TargetAdapter:
             return logits
         c = getattr(self, "_cap_array", None)  # one constant, not one per call
         if c is None or c[0] != cap or c[1] != logits.dtype:
-            c = self._cap_array = (cap, logits.dtype, mx.array(cap, dtype=logits.dtype))
-        return _softcap(logits, c[2])
+            from ..backend.profiles import tuning_on  # fused into one node, or three ops (the device's profile)
+
+            fn = _softcap if tuning_on("compile_elementwise") else _softcap_ops
+            c = self._cap_array = (cap, logits.dtype, mx.array(cap, dtype=logits.dtype), fn)
+        return c[3](logits, c[2])
 
     def raw_logits(self, hidden: mx.array) -> mx.array:
         """The LM head's output before any softcapping."""

@@ -1,0 +1,67 @@
+"""A small set of verify shapes, so a GPU compiles kernels for a handful of them.
+
+MLX's GPU backends compile kernels (and plan matmuls) per input shape; a run
+whose verifies take every length from 2 to 17 pays a compile for each.  With
+``[generation] bucket_shapes`` on, a chain verify of ``L`` tokens runs as
+``bucket(L)`` tokens: the real ones, then padding.  That is exact:
+
+* every padding token comes after every real token, and a real token's
+  attention sees only positions up to its own (the cache's causal and
+  sliding-window masks), so no real token's output depends on the padding;
+* the padding's cache slots are the last ones, and are trimmed right after the
+  forward (:meth:`~mtpflow.targets.cache.SlotKVCache.trim`), before anything
+  reads the cache;
+* the hidden states, taps and logits are cut back to the ``L`` real tokens.
+
+``tests/test_shapes.py`` checks the real tokens' logits against an unpadded
+verify and counts the distinct verify shapes of a run.
+"""
+
+from __future__ import annotations
+
+#: the verify lengths a bucketed run uses (longer ones run unpadded)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket ``>= n`` (``n`` itself above the largest)."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    return n
+
+
+def verify_length(mode: str, n: int, cache) -> int:
+    """The length a chain verify of ``n`` tokens runs at: ``bucket(n)`` when
+    ``mode`` (``[generation] bucket_shapes``) is on for this device and every
+    cache layer can drop the padding again (position-tracked KV slots; a
+    recurrent state would have absorbed it), else ``n``."""
+    if n <= 1:
+        return n
+    from .profiles import tuning_on
+
+    if not tuning_on("bucket_shapes", mode):
+        return n
+    from ..targets.cache import SlotKVCache
+
+    if not all(type(c) is SlotKVCache for c in cache):
+        return n
+    return bucket(n)
+
+
+def bucketed_forward(target, tokens, cache, layers=(), submit: bool = False, mode: str = "auto", pad_id: int = 0):
+    """``target.forward_with_taps(tokens, cache, layers)`` over ``tokens [B, n]``
+    padded to :func:`verify_length`; the padding's cache slots are trimmed and
+    its outputs cut off, so the caller sees an ``n``-token forward."""
+    import mlx.core as mx
+
+    n = tokens.shape[1]
+    padded = verify_length(mode, n, cache)
+    if padded != n:
+        tokens = mx.pad(tokens, ((0, 0), (0, padded - n)), constant_values=pad_id)
+    hidden, taps = target.forward_with_taps(tokens, cache, layers, submit=submit)
+    if padded == n:
+        return hidden, taps
+    for c in cache:  # the padding's slots are the last ones
+        c.trim(padded - n)
+    return hidden[:, :n], {t: v[:, :n] for t, v in taps.items()}

@@ -1,0 +1,99 @@
+"""Bucketed verify shapes (mtpflow.backend.shapes): padding a chain verify is
+exact, and a run compiles a handful of verify shapes instead of one per
+block size."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_session, prompt, reference
+from conftest import run_requests as run
+
+from mtpflow.backend.shapes import BUCKETS, bucket, bucketed_forward, verify_length
+
+PROMPTS = [prompt("e", "long"), prompt("e", "short"), prompt("e", "edge")]
+
+
+def test_bucket():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 64, 65]
+    assert verify_length("off", 3, []) == 3 and verify_length("on", 3, []) == 4
+    assert verify_length("auto", 3, []) == 3  # a CPU device: no padding (its verify cost grows with the tokens)
+
+
+def test_a_padded_verify_equals_the_unpadded_one():
+    """The real tokens' logits and taps are the unpadded forward's (to float32
+    rounding: a product of other shapes rounds differently, as a k-token
+    verify does against k one-token steps) with the same argmax, and the cache
+    after it holds the same slots, positions and offsets."""
+    s = make_session("e", block_size=4)
+    t = s.target
+    tokens = mx.array([PROMPTS[0][-3:]], dtype=mx.int32)
+    out = []
+    for mode, n in (("off", 3), ("on", 3), ("on", 2)):
+        cache, _ = t.prefill([PROMPTS[0][:-3]], extra=16)
+        t.set_offsets(cache, mx.array([len(PROMPTS[0]) - 3], dtype=mx.int32))
+        seen = []
+        fwd = t.forward_with_taps
+        t.forward_with_taps = lambda x, *a, **kw: (seen.append(x.shape[1]), fwd(x, *a, **kw))[1]
+        try:
+            h, taps = bucketed_forward(t, tokens[:, :n], cache, (1, 3), s.submit_layers, mode)
+        finally:
+            del t.forward_with_taps
+        assert seen == [n if mode == "off" else bucket(n)] and h.shape[1] == n and taps[3].shape[1] == n
+        logits = t.logits(h)
+        mx.eval(logits, taps)
+        out.append((np.array(logits), np.array(taps[3]),
+                     [(c.idx, np.array(c.offset), np.array(c.view()[0]), np.array(c.view()[2])) for c in cache]))
+    (l0, t0, c0), (l1, t1, c1), (l2, _, c2) = out
+    np.testing.assert_allclose(l1, l0, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(t1, t0, rtol=0, atol=1e-5)
+    assert np.array_equal(l1.argmax(-1), l0.argmax(-1))
+    for (i, o, k, p), (i0, o0, k0, p0) in zip(c1, c0):
+        assert i == i0 and np.array_equal(o, o0) and np.array_equal(p, p0)
+        np.testing.assert_allclose(k, k0, rtol=0, atol=1e-5)
+    assert [c[0] for c in c2] == [i - 1 for i, *_ in c0]  # an unpadded 2-token forward: one slot fewer
+
+
+def _verify_shapes(s):
+    """Record the token shape of every target forward the verify stage runs."""
+    seen, prefilling = [], []
+    fwd, prefill = s.target.forward_with_taps, s.target.prefill
+
+    def counting(tokens, *a, **kw):
+        if not prefilling:
+            seen.append(tuple(tokens.shape))
+        return fwd(tokens, *a, **kw)
+
+    def prefill_uncounted(*a, **kw):
+        prefilling.append(1)
+        try:
+            return prefill(*a, **kw)
+        finally:
+            prefilling.pop()
+
+    s.target.forward_with_taps, s.target.prefill = counting, prefill_uncounted
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_bucketed_run_compiles_a_handful_of_verify_shapes(mode):
+    """Block sizes 2..7 (verifies of 2..7 tokens), alone and three prompts
+    together (rows leave as they finish): bucketed, the verifies take three
+    lengths (2, 4, 8); unbucketed, one per block size.  Every run's tokens
+    are target-only's."""
+    s = make_session("e", block_size=3, generation={"bucket_shapes": mode}, batch={"max_batch_size": 4})
+    seen = _verify_shapes(s)
+    s.reset_stats()
+    for bs in range(2, 8):
+        s.block_policy.size = bs
+        batch = 3 if bs in (3, 6) else 1
+        reqs, out = run(s, PROMPTS[:batch], [24, 16, 16][:batch], ids=[f"{bs}-{i}" for i in range(batch)])
+        for r in reqs:
+            assert out[r.id] == reference(s, r.prompt, r.max_tokens), (bs, r.id)
+    blocks = {int(k) for k in s.stats.as_dict()["block_sizes"]} - {1}
+    assert blocks == set(range(2, 8))
+    lengths = {L for _, L in seen if L > 1}
+    if mode == "on":
+        assert lengths == {2, 4, 8}, lengths
+        assert len(set(seen)) <= 9, sorted(set(seen))  # (rows) x (lengths): what a GPU compiles for
+    else:
+        assert lengths == blocks  # one verify shape per block size
