@@ -60,7 +60,7 @@ def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
 
 def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth: int = 1, mix: float = 0.9,
                     strip: bool = False, residual: float = 4.0, half: str = "hidden",
-                    block_scale: float = 0.05) -> Path:
+                    block_scale: float = 0.05, tokenizer: Path | None = None) -> Path:
     from mlx_lm.utils import _get_classes
 
     cfg = dict(config or DEEPSEEK_V3)
@@ -105,6 +105,11 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), out)
+    if tokenizer is not None:  # a tokenizer folder (its vocabulary must fit vocab_size)
+        import shutil
+
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer) / f, path / f)
     return path
 
 
