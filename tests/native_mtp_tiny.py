@@ -36,6 +36,21 @@ GLM_MOE_DSA = {
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
 }
 
+GLM4_MOE = {
+    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 64, "max_position_embeddings": 512, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "num_attention_heads": 4, "n_group": 1, "head_dim": 16, "topk_group": 1, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": None, "use_qk_norm": True, "tie_word_embeddings": False, "attention_bias": True,
+    "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1, "eos_token_id": 1,
+}
+
+GLM4_MOE_LITE = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "architectures"},
+    "model_type": "glm4_moe_lite", "architectures": ["Glm4MoeLiteForCausalLM"], "partial_rotary_factor": 1.0,
+}
+
 
 def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
     """A decoder layer's mlx tensors back in the HF layout (experts one by one, kv_b_proj)."""

@@ -180,3 +180,22 @@ def test_bench_has_native_mtp_rows_next_to_another_drafter(tmp_path, fixtures_di
     assert "mtpflow-k3 b1" in rows and "mtpflow-native_mtp-k3 b1" in rows and "mtpflow-native_mtp-k3 b2" in rows
     assert rows["mtpflow-native_mtp-k3 b2"]["kind"] == "native_mtp"
     assert rows["mtpflow-native_mtp-k3 b1"]["rounds"] > 0
+
+
+@pytest.mark.parametrize("family", ["GLM4_MOE", "GLM4_MOE_LITE", "GLM_MOE_DSA"])
+def test_other_families_ragged_and_continuous(tmp_path, family):
+    """GLM-4.x MoE (GQA + MoE), GLM-4.7-Flash (MLA) and GLM-5 (MLA + DSA, a
+    cache pair per layer): each row equals its own target-only output, also
+    when a request joins a running batch."""
+    import native_mtp_tiny as tiny
+    from mtpflow.engine import make_request
+
+    ckpt = make_checkpoint(tmp_path, 2, config=getattr(tiny, family), residual=0.3, half="embed", mix=0.8, block_scale=2.0)
+    s = session(ckpt, block=3, draft_kind="mtp")
+    assert s.draft_kind == "native_mtp"
+    first = [make_request(s, p, max_tokens=14, request_id=f"a{i}") for i, p in enumerate(PROMPTS[:2])]
+    late = [make_request(s, PROMPTS[2], max_tokens=14, request_id="late")]
+    out = drive_with_late_joiners(s, first, late, join_after=2)
+    for r in first + late:
+        assert out[r.id] == reference(s, r.prompt, 14)
+    assert s.stats.as_dict()["accepted_tokens"] > 0
