@@ -199,3 +199,33 @@ def test_other_families_ragged_and_continuous(tmp_path, family):
     for r in first + late:
         assert out[r.id] == reference(s, r.prompt, 14)
     assert s.stats.as_dict()["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("fixture", ["dflash/target", "eagle3/target"])
+def test_trained_module_for_any_mlx_lm_target(tmp_path, fixture):
+    """The loader contract for modules trained for targets without a head of
+    their own (qwen3, llama): built with ``NativeLayout.build``, written with
+    ``to_native``, loaded with ``--draft-model``; greedy output is the target's."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mtpflow.drafters.native_mtp.families import NativeLayout
+    from mtpflow.drafters.native_mtp.module import to_native
+
+    tpath = Path(__file__).parent / "fixtures" / fixture
+    base = session(tpath, draft_kind="none")
+    assert base.drafter is None
+    cfg = dict(json.loads((tpath / "config.json").read_text()), num_nextn_predict_layers=2)
+    head = NativeLayout.build(base.target.model, cfg)
+    folder = tmp_path / "module"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        to_native(dict(tree_flatten(head.parameters())), cfg["num_hidden_layers"]))
+    s = session(tpath, block=4, draft_model=str(folder))
+    assert s.draft_kind == "native_mtp" and s.drafter.depth == 2
+    ids = [3, 17, 42, 8, 99]
+    _, out = run_requests(s, [ids], [12])
+    assert out["0"] == reference(s, ids, 12)
