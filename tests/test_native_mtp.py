@@ -112,10 +112,12 @@ def test_module_names_round_trip():
     assert set(from_native(native, 61, 2)) == set(w)
 
 
-def test_quantized_checkpoint_runs_the_head_quantized(ckpts, tmp_path):
-    q = quantized_copy(ckpts["d1"], tmp_path / "q4")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_quantized_checkpoint_runs_the_head_quantized(ckpts, tmp_path, mixed):
+    q = quantized_copy(ckpts["d1"], tmp_path / "q4", mixed=mixed)
     s = session(q, draft_kind="native_mtp")
-    assert "scales" in s.drafter.model.layers[0].eh_proj  # the head runs quantized
+    eh = s.drafter.model.layers[0].eh_proj
+    assert "scales" in eh and eh.bits == (8 if mixed else 4)  # the head runs quantized, per-layer bits kept
     _, out = run_requests(s, PROMPTS, [16, 16, 16])
     for i, p in enumerate(PROMPTS):
         assert out[str(i)] == reference(s, p, 16)
