@@ -137,6 +137,12 @@ def _error(fn):
 def test_stripped_checkpoint_names_what_is_missing(ckpts):
     msg = _error(lambda: session(ckpts["stripped"], draft_kind="native_mtp"))
     assert "model.layers.2.eh_proj*" in msg and "converter dropped them" in msg and "--draft-model" in msg
+    # asked through the alias (the Gemma 4 assistant's kind name): the same reason, no crash
+    from mtpflow.engine import LoadError
+
+    with pytest.raises(LoadError) as ei:
+        session(ckpts["stripped"], draft_kind="mtp")
+    assert "--draft-kind mtp needs --draft-model" in str(ei.value) and "converter dropped them" in str(ei.value)
 
 
 def test_no_mtp_layers_and_unsupported_family(ckpts, tmp_path, fixtures_dir):
