@@ -101,58 +101,64 @@ def _close(a, b):
     return np.array_equal(a, b)
 
 
-def _assert_as_fresh(t, cache, seqs):
-    """Every row's recurrent and attention state equals a fresh one-row prefill of its sequence."""
+def _assert_as_fresh(t, caches, seqs):
+    """Every row's recurrent and attention state, in every cache of ``caches``,
+    equals a fresh one-row prefill of its sequence."""
     for b, seq in enumerate(seqs):
         fresh, _ = t.prefill([seq])
-        for c, f in zip(cache, fresh):
-            if isinstance(c, RecurrentCache):
-                assert _close(c.recurrent[b], f.recurrent[0]) and _close(c.conv[b], f.conv[0])
-            else:
-                k, v, p = c.view()
-                pos = np.array(p[b])
-                order = mx.array(np.argsort(np.where(pos >= 0, pos, 10**9))[: len(seq)])
-                assert sorted(pos[pos >= 0].tolist()) == list(range(len(seq)))
-                fk, fv, _ = f.view()
-                assert _close(k[b][:, order], fk[0]) and _close(v[b][:, order], fv[0])
+        for cache in caches:
+            for c, f in zip(cache, fresh):
+                if isinstance(c, RecurrentCache):
+                    assert _close(c.recurrent[b], f.recurrent[0]) and _close(c.conv[b], f.conv[0])
+                else:
+                    k, v, p = c.view()
+                    pos = np.array(p[b])
+                    order = mx.array(np.argsort(np.where(pos >= 0, pos, 10**9))[: len(seq)])
+                    assert sorted(pos[pos >= 0].tolist()) == list(range(len(seq)))
+                    fk, fv, _ = f.view()
+                    assert _close(k[b][:, order], fk[0]) and _close(v[b][:, order], fv[0])
 
 
 @bitwise_only
-@pytest.mark.parametrize("mode", ["steps", "replay"])
-def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpts, mode):
+def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpts):
     """Ragged left-padded prefill, verifies of 4 tokens with every row keeping
     its own count (1..4, all-equal rounds too), a row leaving and one joining:
-    recurrent and attention state equal a fresh prefill of the accepted prefix."""
+    in both rollback modes, recurrent and attention state equal a fresh
+    prefill of the accepted prefix."""
     from mtpflow.targets.cache import merge_caches
 
     t = Qwen35Target.from_path(ckpts["qwen3_5"])
-    t.rollback_mode = mode
     rng = np.random.default_rng(0)
     seqs = [list(p) for p in PROMPTS]
-    cache, _ = t.prefill(seqs)
-    _assert_as_fresh(t, cache, seqs)
+    caches = {}
+    for mode in ("steps", "replay"):
+        t.rollback_mode = mode
+        caches[mode] = t.prefill(seqs)[0]
+        assert {c.mode for c in caches[mode] if isinstance(c, RecurrentCache)} == {mode}
+    _assert_as_fresh(t, caches.values(), seqs)
     plans = [[1, 4, 2], [3, 3, 3], [4, 4, 4], [2, 1, 4], [1, 1, 1]]
     for r, keep in enumerate(plans):
-        if r == 3:  # row 1 leaves, a new row joins
-            sel = mx.array([0, 2], dtype=mx.int32)
-            for c in cache:
-                c.select(sel)
-            seqs = [seqs[0], seqs[2]]
-            new = [2, 640, 12, 1999, 3]
-            fresh, _ = t.prefill([new])
-            cache = merge_caches([cache, fresh])
-            seqs.append(new)
-        pos = mx.array([len(s) for s in seqs], dtype=mx.int32)
         inputs = rng.integers(4, 2048, (len(seqs), 4)).tolist()
-        t.set_offsets(cache, pos)
-        mx.eval(t.forward(mx.array(inputs, dtype=mx.int32), cache))
+        if r == 3:  # row 1 leaves, a new row joins
+            new = [2, 640, 12, 1999, 3]
+            fresh = t.prefill([new])[0]
+            for mode, cache in caches.items():
+                for c in cache:
+                    c.select(mx.array([0, 2], dtype=mx.int32))
+                caches[mode] = merge_caches([cache, fresh])
+            seqs = [seqs[0], seqs[2], new]
+        pos = mx.array([len(s) for s in seqs], dtype=mx.int32)
         keep_a = mx.array(keep, dtype=mx.int32)
-        for c in cache:
-            c.rollback(4, keep_a, pos + keep_a, 4 - max(keep), min(keep) != max(keep))
-        t.compact(cache, n_valid_max=max(len(s) + k for s, k in zip(seqs, keep)),
-                  min_positions=[len(s) + k for s, k in zip(seqs, keep)])
+        for cache in caches.values():
+            t.set_offsets(cache, pos)
+            mx.eval(t.forward(mx.array(inputs, dtype=mx.int32), cache))
+            for c in cache:
+                c.rollback(4, keep_a, pos + keep_a, 4 - max(keep), min(keep) != max(keep))
+            t.compact(cache, n_valid_max=max(len(s) + k for s, k in zip(seqs, keep)),
+                      min_positions=[len(s) + k for s, k in zip(seqs, keep)])
         seqs = [s + i[:k] for s, i, k in zip(seqs, inputs, keep)]
-        _assert_as_fresh(t, cache, seqs)
+        if r in (0, 3, 4):
+            _assert_as_fresh(t, caches.values(), seqs)
 
 
 def test_rollback_is_bitwise_with_the_reference_blas():
@@ -163,7 +169,7 @@ def test_rollback_is_bitwise_with_the_reference_blas():
     env = dict(os.environ, MTPFLOW_BLAS="none", MTPFLOW_HYBRID_BITWISE="1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
                         "-k", "fresh_prefill or undoes"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
 
 
 @bitwise_only
@@ -175,7 +181,7 @@ def test_trim_undoes_the_last_tokens(ckpts):
     mx.eval(t.forward(mx.array([[5, 6]], dtype=mx.int32), cache))
     for c in cache:
         c.trim(1)
-    _assert_as_fresh(t, cache, [PROMPTS[0] + [5]])
+    _assert_as_fresh(t, [cache], [PROMPTS[0] + [5]])
 
 
 # -- greedy equality through the engine ----------------------------------------------------
@@ -191,7 +197,7 @@ def test_greedy_equals_target_only_in_ragged_batches(ckpts, family, kind):
     s = session(ckpts[family], rounds=rounds, model=model, batch={"max_batch_size": 8})
     want = _refs(s, PROMPTS, MAX)
     OracleDrafter.refs = {str(i): w for i, w in enumerate(want)}
-    for bs in (1, 2, 4):
+    for bs in (1, 4):
         s.block_policy.size = bs
         reqs, out = run_requests(s, PROMPTS, MAX, ids=[str(i) for i in range(3)])
         assert [out[r.id] for r in reqs] == want, bs
