@@ -1,7 +1,9 @@
 """Hybrid-attention targets (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next): Gated DeltaNet
 layers on a per-row rollback cache, full attention on the slot cache."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -9,7 +11,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ModelFreeDrafter, RoundLog, drive_with_late_joiners, quiet_log, run_requests
+from conftest import FIXTURES, ModelFreeDrafter, RoundLog, drive_with_late_joiners, quiet_log, run_requests
 from tiny_hybrid import build, load_reference
 
 from mtpflow import hookimpl
@@ -27,7 +29,15 @@ QWEN3 = __import__("pathlib").Path(__file__).parent / "fixtures" / "dflash" / "t
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
-    return {f: build(root, f, seed=0) for f in ("qwen3_5", "qwen3_5_moe", "qwen3_next")}
+    out = {f: build(root, f, seed=0) for f in ("qwen3_5", "qwen3_5_moe", "qwen3_next")}
+    # the EAGLE-3 fixture drafter (hidden 64, vocab 2048, aux layers 2, 4, 5) declared for this target
+    eagle = root / "eagle3"
+    shutil.copytree(FIXTURES.parent / "eagle3" / "drafter_default", eagle)
+    cfg = json.loads((eagle / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    (eagle / "config.json").write_text(json.dumps(cfg))
+    out["eagle3"] = eagle
+    return out
 
 
 class OracleDrafter(ModelFreeDrafter):
@@ -190,10 +200,14 @@ def _refs(s, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("family,kind", [("qwen3_5", "oracle"), ("qwen3_5", "ngram"), ("qwen3_5", "model"),
+                                         ("qwen3_5", "dflash"), ("qwen3_5", "eagle3"),
                                          ("qwen3_next", "oracle"), ("qwen3_5_moe", "oracle")])
 def test_greedy_equals_target_only_in_ragged_batches(ckpts, family, kind):
+    """Each row equals its own target-only greedy output, with every drafter
+    kind that runs on a hybrid (DFlash and EAGLE-3 read its layers)."""
     rounds = RoundLog()
-    model = {"draft_kind": kind} | ({"draft_model": str(QWEN3)} if kind == "model" else {})
+    drafter = {"model": str(QWEN3), "dflash": str(QWEN3.parent / "drafter"), "eagle3": str(ckpts["eagle3"])}.get(kind)
+    model = {"draft_kind": kind} | ({"draft_model": drafter} if drafter else {})
     s = session(ckpts[family], rounds=rounds, model=model, batch={"max_batch_size": 8})
     want = _refs(s, PROMPTS, MAX)
     OracleDrafter.refs = {str(i): w for i, w in enumerate(want)}
@@ -202,6 +216,7 @@ def test_greedy_equals_target_only_in_ragged_batches(ckpts, family, kind):
         reqs, out = run_requests(s, PROMPTS, MAX, ids=[str(i) for i in range(3)])
         assert [out[r.id] for r in reqs] == want, bs
     accepted = [a for rec in rounds.records for a in rec.accepted if rec.drafted]
+    assert s.draft_kind == kind
     if kind == "oracle":
         assert set(accepted) == {0, 1, 2, 3}  # every count, rows of one round differing
         assert any(len(set(rec.accepted)) > 1 for rec in rounds.records)
