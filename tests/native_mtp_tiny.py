@@ -59,7 +59,8 @@ def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
 
 
 def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth: int = 1, mix: float = 0.9,
-                    strip: bool = False) -> Path:
+                    strip: bool = False, residual: float = 4.0, half: str = "hidden",
+                    block_scale: float = 0.05) -> Path:
     from mlx_lm.utils import _get_classes
 
     cfg = dict(config or DEEPSEEK_V3)
@@ -75,7 +76,7 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
         if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
             v = mx.array(rng.uniform(0.7, 1.3, v.shape).astype(np.float32))
         elif k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
-            v = v * 4.0
+            v = v * residual
         elif k.endswith("embed_tokens.weight"):
             v = v * 3.0
         elif "e_score_correction_bias" in k:
@@ -90,16 +91,17 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
         out[pre + "hnorm.weight"] = mx.array(rng.uniform(0.7, 1.3, (H,)).astype(np.float32))
         out[pre + "shared_head.norm.weight"] = mx.array(rng.uniform(0.7, 1.3, (H,)).astype(np.float32))
         eh = rng.normal(0, (2 * H) ** -0.5, (H, 2 * H)).astype(np.float32) * (1 - mix)
-        eh[:, H:] += mix * np.eye(H, dtype=np.float32)
+        (eh[:, H:] if half == "hidden" else eh[:, :H])[:] += mix * np.eye(H, dtype=np.float32)
         out[pre + "eh_proj.weight"] = mx.array(eh)
-        out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]  # DeepSeek-V3 ships copies
-        out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
+        if cfg["model_type"] == "deepseek_v3":  # DeepSeek-V3 ships copies of the embedding and head (GLM-5 does not)
+            out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]
+            out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
         for k in list(out):
             if k.startswith(pre) and (k.endswith("o_proj.weight") or k.endswith("down_proj.weight")):
-                out[k] = out[k] * 0.05  # a near pass-through block
+                out[k] = out[k] * block_scale  # a near pass-through block
     if strip:
         out = {k: v for k, v in out.items() if not any(k.startswith(f"model.layers.{n + i}.") for i in range(depth))}
-    path = Path(root) / f"{cfg['model_type']}_{seed}_d{depth}{'_stripped' if strip else ''}"
+    path = Path(root) / f"{cfg['model_type']}_{seed}_d{depth}{'_stripped' if strip else ''}_{half}{residual}"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), out)
