@@ -397,7 +397,9 @@ def load_session(
 
     target = target_cls.from_path(tpath, tcfg, dtype=mc.dtype)
     if config.batch.prefix_cache_mb and not getattr(target, "supports_prefix_cache", True):
-        raise LoadError(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); set [batch] prefix_cache_mb = 0")
+        warnings.warn(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); running without it "
+                      "(set [batch] prefix_cache_mb = 0 to silence this)", stacklevel=2)
+        config = attrs.evolve(config, batch=attrs.evolve(config.batch, prefix_cache_mb=0))
     if config.draft.tree != "off" and not getattr(target, "supports_trees", True):
         warnings.warn(f"{tpath}: this target (model_type {mt!r}) verifies chains only; drafting chains instead of trees", stacklevel=2)
         config = attrs.evolve(config, draft=attrs.evolve(config.draft, tree="off"))

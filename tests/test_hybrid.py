@@ -16,7 +16,7 @@ from tiny_hybrid import build, load_reference
 
 from mtpflow import hookimpl
 from mtpflow.config import load_config
-from mtpflow.engine import LoadError, generate_stream, load_session, make_request, target_only_greedy
+from mtpflow.engine import generate_stream, load_session, make_request, target_only_greedy
 from mtpflow.plugins import make_plugin_manager
 from mtpflow.state import DraftBlock, SamplingParams
 from mtpflow.targets.cache import SlotKVCache
@@ -270,6 +270,11 @@ def test_a_tree_request_drafts_chains_and_says_so_once(ckpts):
     assert all(rec.tree is None for rec in rounds.records) and any(rec.drafted for rec in rounds.records)
 
 
-def test_the_prefix_cache_is_refused_in_one_line(ckpts):
-    with pytest.raises(LoadError, match="prefix_cache_mb = 0"):
-        session(ckpts["qwen3_next"], batch={"prefix_cache_mb": 64})
+def test_the_prefix_cache_is_turned_off_with_one_line(ckpts):
+    """(``mtpflow serve`` turns it on by default: a hybrid still serves.)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = session(ckpts["qwen3_next"], batch={"prefix_cache_mb": 64})
+    notes = [str(w.message) for w in caught if "prefix cache" in str(w.message)]
+    assert len(notes) == 1 and "\n" not in notes[0] and "prefix_cache_mb = 0" in notes[0]
+    assert s.prefix_cache is None and s.config.batch.prefix_cache_mb == 0
