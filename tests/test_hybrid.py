@@ -133,7 +133,8 @@ def _assert_as_fresh(t, caches, seqs):
 def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpts):
     """Ragged left-padded prefill, verifies of 4 tokens with every row keeping
     its own count (1..4, all-equal rounds too), a row leaving and one joining:
-    in both rollback modes, recurrent and attention state equal a fresh
+    in both rollback modes (per-step states gathered from device or host
+    counts, snapshot + replay), recurrent and attention state equal a fresh
     prefill of the accepted prefix."""
     from mtpflow.targets.cache import merge_caches
 
@@ -141,10 +142,11 @@ def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpts):
     rng = np.random.default_rng(0)
     seqs = [list(p) for p in PROMPTS]
     caches = {}
-    for mode in ("steps", "replay"):
+    for name in ("steps", "steps, host counts", "replay"):
+        mode = name.split(",")[0]
         t.rollback_mode = mode
-        caches[mode] = t.prefill(seqs)[0]
-        assert {c.mode for c in caches[mode] if isinstance(c, RecurrentCache)} == {mode}
+        caches[name] = t.prefill(seqs)[0]
+        assert {c.mode for c in caches[name] if isinstance(c, RecurrentCache)} == {mode}
     _assert_as_fresh(t, caches.values(), seqs)
     plans = [[1, 4, 2], [3, 3, 3], [4, 4, 4], [2, 1, 4], [1, 1, 1]]
     for r, keep in enumerate(plans):
@@ -159,11 +161,11 @@ def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpts):
             seqs = [seqs[0], seqs[2], new]
         pos = mx.array([len(s) for s in seqs], dtype=mx.int32)
         keep_a = mx.array(keep, dtype=mx.int32)
-        for cache in caches.values():
+        for name, cache in caches.items():
             t.set_offsets(cache, pos)
             mx.eval(t.forward(mx.array(inputs, dtype=mx.int32), cache))
             for c in cache:
-                c.rollback(4, keep_a, pos + keep_a, 4 - max(keep), min(keep) != max(keep))
+                c.rollback(4, keep_a, pos + keep_a, 4 - max(keep), min(keep) != max(keep), kept=keep if "host" in name else None)
             t.compact(cache, n_valid_max=max(len(s) + k for s, k in zip(seqs, keep)),
                       min_positions=[len(s) + k for s, k in zip(seqs, keep)])
         seqs = [s + i[:k] for s, i, k in zip(seqs, inputs, keep)]

@@ -119,9 +119,9 @@ class RecurrentCache:
         return mx.stack(ys, axis=1)
 
     # -- rolling back ----------------------------------------------------------------
-    def _restore(self, n: mx.array | int) -> None:
+    def _restore(self, n: mx.array | int, host: list[int] | None = None) -> None:
         """Leave the window and state as after the first ``n`` (per row, ``>= 0``)
-        tokens of the last forward."""
+        tokens of the last forward (``host``: ``n`` on the host, if known)."""
         if self._last is None:
             raise RuntimeError("this forward was not recorded (a prefill chunk); it cannot be rolled back")
         S, conv_in, prev, rec = self._last
@@ -137,7 +137,11 @@ class RecurrentCache:
             return
         idx = n[:, None] + mx.arange(K1, dtype=n.dtype)[None]
         self.conv = mx.take_along_axis(conv_in, idx[:, :, None], axis=1)
-        if self.mode == "steps":
+        if self.mode == "steps" and host is not None:
+            # each row's state, sliced from the step it stopped at: B states move, not B * (S + 1)
+            states = [prev, *rec]
+            self.recurrent = mx.concatenate([states[m][b : b + 1] for b, m in enumerate(host)], axis=0)
+        elif self.mode == "steps":
             allst = mx.stack([prev, *rec], axis=1)  # [B, S+1, Hv, Dv, Dk]
             self.recurrent = mx.take_along_axis(allst, n[:, None, None, None, None], axis=1)[:, 0]
         else:
@@ -154,15 +158,17 @@ class RecurrentCache:
             _, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, m)
         return state
 
-    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True) -> None:
+    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True,
+                 kept: list[int] | None = None) -> None:
         """After a verify over ``block`` tokens keep the first ``keep[b]`` of
         them in row ``b`` (the slot cache's signature; ``trim``: tokens every
-        row rejected, ``ragged=False``: every row keeps ``block - trim``)."""
+        row rejected, ``ragged=False``: every row keeps ``block - trim``;
+        ``kept``: ``keep`` on the host, if the caller has it)."""
         if not ragged:
             if trim:
                 self._restore(block - trim)
         else:
-            self._restore(keep)
+            self._restore(keep, kept)
         self.offset = next_pos
 
     def trim(self, n: int) -> int:
