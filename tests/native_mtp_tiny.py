@@ -36,6 +36,21 @@ GLM_MOE_DSA = {
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
 }
 
+GLM4_MOE = {
+    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 64, "max_position_embeddings": 512, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "num_attention_heads": 4, "n_group": 1, "head_dim": 16, "topk_group": 1, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": None, "use_qk_norm": True, "tie_word_embeddings": False, "attention_bias": True,
+    "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1, "eos_token_id": 1,
+}
+
+GLM4_MOE_LITE = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "architectures"},
+    "model_type": "glm4_moe_lite", "architectures": ["Glm4MoeLiteForCausalLM"], "partial_rotary_factor": 1.0,
+}
+
 
 def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
     """A decoder layer's mlx tensors back in the HF layout (experts one by one, kv_b_proj)."""
@@ -60,7 +75,7 @@ def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
 
 def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth: int = 1, mix: float = 0.9,
                     strip: bool = False, residual: float = 4.0, half: str = "hidden",
-                    block_scale: float = 0.05) -> Path:
+                    block_scale: float = 0.05, tokenizer: Path | None = None) -> Path:
     from mlx_lm.utils import _get_classes
 
     cfg = dict(config or DEEPSEEK_V3)
@@ -105,10 +120,15 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), out)
+    if tokenizer is not None:  # a tokenizer folder (its vocabulary must fit vocab_size)
+        import shutil
+
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer) / f, path / f)
     return path
 
 
-def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
+def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32, mixed: bool = False) -> Path:
     """``src`` quantized as mlx-community publishes (``quantization`` in
     config.json, ``.scales`` / ``.biases``), its MTP layers kept, quantized too,
     in mlx-lm's layout (what a converter that kept them would write)."""
@@ -126,12 +146,15 @@ def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32) ->
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0 and "gate" not in p.split(".")[-1:]
 
     nn.quantize(target.model, group_size=group_size, bits=bits, class_predicate=pred)
+    cfg["quantization"] = {"group_size": group_size, "bits": bits}
+    if mixed:  # mlx-lm's mixed quantization: the head's eh_proj at 8 bits, named by checkpoint path
+        head.layers[0].eh_proj = head.layers[0].eh_proj.to_quantized(group_size=group_size, bits=8)
+        cfg["quantization"][f"model.layers.{cfg['num_hidden_layers']}.eh_proj"] = {"group_size": group_size, "bits": 8}
     nn.quantize(head, group_size=group_size, bits=bits, class_predicate=pred)
     w = dict(tree_flatten(target.model.parameters()))
     w.update(to_native(dict(tree_flatten(head.parameters())), cfg["num_hidden_layers"]))
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    cfg["quantization"] = {"group_size": group_size, "bits": bits}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(dst / "model.safetensors"), w)
     return dst
