@@ -55,11 +55,14 @@ class RecurrentCache:
     #: longer forward is a prefill chunk, which is never rolled back)
     max_record = 64
 
-    def __init__(self, kernel: int, mode: str = "steps"):
+    def __init__(self, kernel: int, mode: str = "steps", record: bool = True):
         if mode not in MODES:
             raise ValueError(f"rollback mode {mode!r}: use one of {', '.join(MODES)}")
         self.kernel = kernel
         self.mode = mode
+        #: keep what a rollback of the next forwards needs (off while prefilling:
+        #: a prompt is never rolled back, and per-step states of a long chunk are large)
+        self.record = record
         self.conv = None  # [B, K-1, C]
         self.recurrent = None  # [B, Hv, Dv, Dk] float32
         self.offset = None  # [B] int32: position of the next token per row
@@ -101,7 +104,7 @@ class RecurrentCache:
         if Hv // Hk > 1:
             q = mx.repeat(q, Hv // Hk, -2)
             k = mx.repeat(k, Hv // Hk, -2)
-        record = S <= self.max_record
+        record = self.record and S <= self.max_record
         state, ys, steps = prev, [], []
         for t in range(S):
             y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t])
@@ -123,7 +126,8 @@ class RecurrentCache:
         """Leave the window and state as after the first ``n`` (per row, ``>= 0``)
         tokens of the last forward (``host``: ``n`` on the host, if known)."""
         if self._last is None:
-            raise RuntimeError("this forward was not recorded (a prefill chunk); it cannot be rolled back")
+            raise RuntimeError(f"the last forward was not recorded (a prefill, or more than {self.max_record} tokens); "
+                               "it cannot be rolled back")
         S, conv_in, prev, rec = self._last
         K1 = self.kernel - 1
         if isinstance(n, int):  # every row the same: static slices
