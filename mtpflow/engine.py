@@ -492,7 +492,9 @@ def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bo
     dtype = dtypes.resolve_dtype(mc.dtype, tpath, tcfg)  # "auto": the checkpoint's on a GPU, float32 on a CPU
     target = target_cls.from_path(tpath, tcfg, dtype=dtype)
     if config.batch.prefix_cache_mb and not getattr(target, "supports_prefix_cache", True):
-        raise LoadError(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); set [batch] prefix_cache_mb = 0")
+        warnings.warn(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); running without it "
+                      "(set [batch] prefix_cache_mb = 0 to silence this)", stacklevel=2)
+        config = attrs.evolve(config, batch=attrs.evolve(config.batch, prefix_cache_mb=0))
     if config.draft.tree != "off" and not getattr(target, "supports_trees", True):
         warnings.warn(f"{tpath}: this target (model_type {mt!r}) verifies chains only; drafting chains instead of trees", stacklevel=2)
         config = attrs.evolve(config, draft=attrs.evolve(config.draft, tree="off"))

@@ -102,3 +102,55 @@ def test_a_stripped_head_is_a_one_line_error_and_no_head_runs_target_only(ckpts,
         session(ckpts["no_head"], draft_kind="native_mtp")
     assert "\n" not in str(e.value)
     assert session(ckpts["no_head"]).drafter is None  # nothing asked: target-only
+
+
+def test_the_server_decodes_concurrent_requests_on_a_hybrid(ckpts):
+    """``mtpflow serve``'s settings (continuous batching, its default prefix
+    cache, turned off for a hybrid with one warning): concurrent completions
+    through the native head each equal target-only greedy output."""
+    import socket
+    import threading
+    import time
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from mtpflow.server import create_app
+
+    cfg = load_config(overrides={"model": {"model": str(ckpts["qwen3_5"])}, "draft": {"block_size": 3},
+                                 "batch": {"policy": "continuous", "max_batch_size": 8, "prefix_cache_mb": 256}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        app = create_app(cfg, max_context=256, log=quiet_log())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline and t.is_alive(), "server did not start"
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+
+        def ask(i):
+            body = {"model": ckpts["qwen3_5"].name, "prompt": PROMPTS[i], "max_tokens": MAX[i], "temperature": 0}
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(ask, range(3)))
+        s = session(ckpts["qwen3_5"], draft_kind="none")
+        want = refs(s, PROMPTS, MAX)
+        for g, w in zip(got, want):
+            assert g.get("token_ids", None) in (None, w)
+        texts = [s.tokenizer.decode(w) for w in want]
+        assert [g["text"] for g in got] == texts
+    finally:
+        srv.should_exit = True
+        t.join(20)
+        sock.close()
+        app.state.scheduler.close()

@@ -32,13 +32,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 TOKENIZER = Path(__file__).parent / "fixtures" / "hf_gemma4" / "tokenizer"
-
-#: norms stored zero-centred in the HF checkpoints (mlx-lm's sanitize adds 1)
-_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
-
 
 def text_config(family: str = "qwen3_5", layers: int = 6, interval: int = 3, mtp_layers: int = 1,
                 hidden: int = 64, vocab: int = 2048) -> dict:
@@ -224,7 +219,3 @@ def load_reference(path: Path):
 
     model, _ = load_model(Path(path))
     return model
-
-
-def hf_names(model) -> list[str]:  # pragma: no cover - a debugging aid
-    return [k for k, _ in tree_flatten(model.parameters())]

@@ -242,7 +242,7 @@ def mtpflow_advance(session, state, draft, verify, accepted):
         ragged = min(counts) != max(counts)
         if state.lookahead is None:  # else: a null round whose successor already holds the next slot
             for c in state.cache:
-                c.rollback(k + 1, keep, next_pos, trim, ragged)
+                c.rollback(k + 1, keep, next_pos, trim, ragged, kept=[n + 1 for n in counts])
         state.hidden = mx.take_along_axis(verify.hidden, (keep - 1)[:, None, None], axis=1)[:, 0]
         if verify.taps:  # the verified block, for a drafter that reads target layers
             rel = mx.arange(k + 1, dtype=mx.int32)[None]

@@ -187,12 +187,14 @@ class SlotKVCache:
         """``(keys, values, positions)`` of the used slots, in slot order."""
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :], self.positions[:, : self.idx]
 
-    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True) -> None:
+    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True,
+                 kept: list[int] | None = None) -> None:
         """After a verify over ``block`` slots, keep the first ``keep[b]`` of them
         in row ``b``, invalidate the rest, set each row's next position and
         physically drop ``trim`` trailing slots (rejected by every row).
         ``ragged=False`` says every row keeps the same number of slots: then
-        the trim alone removes every rejected slot."""
+        the trim alone removes every rejected slot.  ``kept``: ``keep`` on the
+        host, when the caller has it (a cache of another kind may use it)."""
         start = self.idx - block
         if block > 0 and ragged:
             rel = mx.arange(block, dtype=mx.int32)[None]

@@ -132,17 +132,24 @@ class HybridTarget(MLXLMTarget):
         return {FULL: {"num_attention_heads": nh, "num_key_value_heads": tc.get("num_key_value_heads") or nh,
                        "head_dim": hd, "scale": hd**-0.5, "q_norm": True}}
 
+    _prefilling = False
+
     def make_cache(self, extra: int = 16) -> list:
-        return [RecurrentCache(self.conv_kernel, self.rollback_mode) if t == LINEAR else SlotKVCache()
-                for t in self.layer_types]
+        return [RecurrentCache(self.conv_kernel, self.rollback_mode, record=not self._prefilling) if t == LINEAR
+                else SlotKVCache() for t in self.layer_types]
 
     def prefill(self, seqs, extra: int = 16, step: int = 512, pad_id: int = 0, taps=(), media=None):
         """The base prefill (left padding is masked out of the recurrent layers
-        while it runs: their ``dense`` flag); the next forwards need no mask."""
-        out = super().prefill(seqs, extra=extra, step=step, pad_id=pad_id, taps=taps, media=media)
+        while it runs: their ``dense`` flag; nothing is recorded for rollback);
+        the next forwards need no mask and are recorded."""
+        self._prefilling = True
+        try:
+            out = super().prefill(seqs, extra=extra, step=step, pad_id=pad_id, taps=taps, media=media)
+        finally:
+            self._prefilling = False
         for c in out[0]:
             if isinstance(c, RecurrentCache):
-                c.padded = False
+                c.padded, c.record = False, True
         return out
 
     def compact(self, cache: list, n_valid_max: int, min_positions: list[int]) -> None:

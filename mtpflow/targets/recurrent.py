@@ -55,11 +55,14 @@ class RecurrentCache:
     #: longer forward is a prefill chunk, which is never rolled back)
     max_record = 64
 
-    def __init__(self, kernel: int, mode: str = "steps"):
+    def __init__(self, kernel: int, mode: str = "steps", record: bool = True):
         if mode not in MODES:
             raise ValueError(f"rollback mode {mode!r}: use one of {', '.join(MODES)}")
         self.kernel = kernel
         self.mode = mode
+        #: keep what a rollback of the next forwards needs (off while prefilling:
+        #: a prompt is never rolled back, and per-step states of a long chunk are large)
+        self.record = record
         self.conv = None  # [B, K-1, C]
         self.recurrent = None  # [B, Hv, Dv, Dk] float32
         self.offset = None  # [B] int32: position of the next token per row
@@ -101,7 +104,7 @@ class RecurrentCache:
         if Hv // Hk > 1:
             q = mx.repeat(q, Hv // Hk, -2)
             k = mx.repeat(k, Hv // Hk, -2)
-        record = S <= self.max_record
+        record = self.record and S <= self.max_record
         state, ys, steps = prev, [], []
         for t in range(S):
             y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t])
@@ -119,11 +122,12 @@ class RecurrentCache:
         return mx.stack(ys, axis=1)
 
     # -- rolling back ----------------------------------------------------------------
-    def _restore(self, n: mx.array | int) -> None:
+    def _restore(self, n: mx.array | int, host: list[int] | None = None) -> None:
         """Leave the window and state as after the first ``n`` (per row, ``>= 0``)
-        tokens of the last forward."""
+        tokens of the last forward (``host``: ``n`` on the host, if known)."""
         if self._last is None:
-            raise RuntimeError("this forward was not recorded (a prefill chunk); it cannot be rolled back")
+            raise RuntimeError(f"the last forward was not recorded (a prefill, or more than {self.max_record} tokens); "
+                               "it cannot be rolled back")
         S, conv_in, prev, rec = self._last
         K1 = self.kernel - 1
         if isinstance(n, int):  # every row the same: static slices
@@ -137,7 +141,11 @@ class RecurrentCache:
             return
         idx = n[:, None] + mx.arange(K1, dtype=n.dtype)[None]
         self.conv = mx.take_along_axis(conv_in, idx[:, :, None], axis=1)
-        if self.mode == "steps":
+        if self.mode == "steps" and host is not None:
+            # each row's state, sliced from the step it stopped at: B states move, not B * (S + 1)
+            states = [prev, *rec]
+            self.recurrent = mx.concatenate([states[m][b : b + 1] for b, m in enumerate(host)], axis=0)
+        elif self.mode == "steps":
             allst = mx.stack([prev, *rec], axis=1)  # [B, S+1, Hv, Dv, Dk]
             self.recurrent = mx.take_along_axis(allst, n[:, None, None, None, None], axis=1)[:, 0]
         else:
@@ -154,15 +162,17 @@ class RecurrentCache:
             _, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, m)
         return state
 
-    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True) -> None:
+    def rollback(self, block: int, keep: mx.array, next_pos: mx.array, trim: int, ragged: bool = True,
+                 kept: list[int] | None = None) -> None:
         """After a verify over ``block`` tokens keep the first ``keep[b]`` of
         them in row ``b`` (the slot cache's signature; ``trim``: tokens every
-        row rejected, ``ragged=False``: every row keeps ``block - trim``)."""
+        row rejected, ``ragged=False``: every row keeps ``block - trim``;
+        ``kept``: ``keep`` on the host, if the caller has it)."""
         if not ragged:
             if trim:
                 self._restore(block - trim)
         else:
-            self._restore(keep)
+            self._restore(keep, kept)
         self.offset = next_pos
 
     def trim(self, n: int) -> int:
