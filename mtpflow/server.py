@@ -138,6 +138,10 @@ MAX_STOP_LENGTH = 256
 MAX_N = 16
 MAX_TIME = 86400.0
 SEED_LIMIT = 2**63
+#: entries of one request's ``logit_bias`` (values in [-100, 100], as OpenAI)
+MAX_LOGIT_BIAS = 1024
+#: OpenAI fields this server refuses rather than ignore: completions' ``echo``, ``best_of``, ``suffix``
+UNSUPPORTED_FIELDS = {"echo": False, "best_of": 1, "suffix": None}
 #: bytes of an oversized body read (and dropped) so the client sees the 413
 _DRAIN_LIMIT = 64 * 1024 * 1024
 
@@ -889,7 +893,42 @@ def _parse_common(body: dict, app_cfg: dict, chat: bool) -> _Params:
     if p.max_time is not None and not 0.0 < p.max_time <= MAX_TIME:
         raise APIError(f"'max_time' must be in (0, {MAX_TIME:.0f}] seconds", param="max_time", code="invalid_value")
     p.logprobs = _parse_logprobs(body, chat)
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = float(_opt(body, name, _is_num, "a number", 0.0))
+        if not -2.0 <= v <= 2.0:
+            raise APIError(f"'{name}' must be in [-2, 2] (got {_show(body[name])})", param=name, code="invalid_value")
+        setattr(p, name, v)
+    p.logit_bias = _parse_logit_bias(body, app_cfg.get("vocab_size", 0))
+    if not chat:
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            if body.get(name) is not None and body[name] != neutral:
+                raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
+                               code="unsupported")
     return p
+
+
+def _parse_logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    """``logit_bias``: token ids (JSON object keys) inside the vocabulary, values in [-100, 100]."""
+    lb = _opt(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id -> bias")
+    if not lb:
+        return {}
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise APIError(f"'logit_bias' has {len(lb)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias",
+                       code="invalid_value")
+    out = {}
+    for key, val in lb.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(f"'logit_bias' keys must be token ids (got {_show(key)})", param="logit_bias",
+                           code="invalid_value")
+        tok = int(key)
+        if not 0 <= tok < vocab:
+            raise APIError(f"'logit_bias' token id {tok} is outside the vocabulary (0..{vocab - 1})",
+                           param="logit_bias", code="invalid_value")
+        if not _is_num(val) or not -100.0 <= val <= 100.0:
+            raise APIError(f"'logit_bias' values must be numbers in [-100, 100] (got {_show(val)} for {tok})",
+                           param="logit_bias", code="invalid_value")
+        out[tok] = float(val)
+    return out
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -1136,6 +1175,9 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         "max_body_size": int(max_body_size or DEFAULT_MAX_BODY_SIZE),
         "request_timeout": request_timeout,
         "media": media,
+        "vocab_size": sched.vocab_size,
+        # the configured acceptance sampler processes logits per request (the "greedy" one takes the argmax)
+        "per_request_processing": hasattr(sched.session.sampler, "sampling_of"),
     }
     scrub = _scrubber(cfg, sched.session)
     app_cfg["structured_error"] = _structured_probe(sched)
@@ -1200,7 +1242,9 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
             elif p.temperature > 0:
                 seed = secrets.randbits(31)  # unseeded rows would otherwise all share key(0)
             sp = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                                repetition_penalty=cfg.sampling.repetition_penalty, seed=seed, grammar=p.grammar)
+                                repetition_penalty=cfg.sampling.repetition_penalty, seed=seed, grammar=p.grammar,
+                                logit_bias=p.logit_bias, frequency_penalty=p.frequency_penalty,
+                                presence_penalty=p.presence_penalty)
             # what engine.make_request builds, without touching the session from this thread
             out.append(Request(id=rid if p.n == 1 else f"{rid}-{i}", prompt=list(ids), max_tokens=mt, sampling=sp,
                                stop_ids=sched.eos_ids, speculative=p.speculative, media=media))
@@ -1210,6 +1254,11 @@ def create_app(session_or_config: Any, *, served_model_name: str | None = None,
         """Parse, validate and tokenize (in the pool, off the event loop)."""
         body = parse_body(raw)
         p = _parse_common(body, app_cfg, chat)
+        if not app_cfg["per_request_processing"]:
+            for name in ("logit_bias", "frequency_penalty", "presence_penalty"):
+                if getattr(p, name):
+                    raise APIError(f"'{name}' needs the rejection sampler; this server is configured with "
+                                   f"[sampling] sampler = {cfg.sampling.sampler!r}", param=name, code="unsupported")
         limit, mtc = app_cfg["max_context"], sched.max_token_chars
         media = None
         if chat and _has_media(body.get("messages")):
