@@ -6,13 +6,19 @@ of greedy requests (completions and chat, some streamed), records each one's
 clients for ``--duration`` seconds, each sending a random good request --
 or, with probability ``--bad-fraction``, a random bad one (a seed out of
 range, NaN, a deep or broken JSON body, a lone surrogate, bytes that are not
-UTF-8, an out-of-vocabulary token, a body over the size limit, ...; with
+UTF-8, an out-of-vocabulary token, a body over the size limit, an image that
+names a local file or whose header claims 9000 x 9000 pixels, a bad
+``logit_bias`` key, ``echo`` / ``best_of`` / ``suffix``, ...; with
 ``--faults`` also requests that pass validation and make their prefill or
-round raise).  Every good request must return its solo output exactly; every
-bad one must get its 4xx (a failing one its 500) with an OpenAI-style error
-body.  It reports latency percentiles,
-throughput, the server's resident memory (after the first seconds of load,
-peak, at the end and after the server went idle) and the spec-decode counters of
+round raise), or opens a connection that sends half a request head and must
+be closed by the server's header timeout.  Some good requests carry
+``logit_bias`` and frequency / presence penalties.  Every good request must
+return its solo output exactly; every bad one must get its 4xx (a failing one
+its 500) with an OpenAI-style error body.  It reports latency percentiles,
+throughput, the server's resident memory (at startup, after the first seconds
+of load, peak, at the end and after the server went idle) against a budget of
+``1.25 * (startup RSS + --prefix-cache-mb)`` (``--check-memory`` fails the run
+past it), the server's open file descriptors, and the spec-decode counters of
 ``/metrics``; the exit status is 1 if any request misbehaved.
 
     python -m mtpflow.loadtest --model tests/fixtures/hf_gemma4/pair_e/target \\
@@ -33,6 +39,8 @@ import sys
 import threading
 import time
 from urllib.parse import urlparse
+
+from .server import DEFAULT_PREFIX_CACHE_MB as DEFAULT_SERVE_PREFIX_CACHE_MB
 
 WORDS = ("beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa "
          "biro deli cecu dude dewe duza fini data dawi feru dezo camu femu finu coha").split()
@@ -122,20 +130,43 @@ def _tokens_of(status: int, data, stream: bool) -> int:
 # the workload
 # --------------------------------------------------------------------------------------
 def good_requests(model: str, n: int, seed: int) -> list[dict]:
-    """``n`` distinct greedy requests (a third of them chat)."""
+    """``n`` distinct greedy requests (a third of them chat; every fourth with ``logit_bias``
+    and frequency / presence penalties)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
         mt = rng.randint(8, 48)
+        extra = {}
+        if i % 4 == 1:
+            extra = {"logit_bias": {str(rng.randint(3, 999)): rng.choice([-100, -5, 5])},
+                     "frequency_penalty": rng.choice([0.5, 2.0]), "presence_penalty": rng.choice([-1.0, 1.0])}
         if i % 3 == 2:
             out.append({"path": "/v1/chat/completions", "chat": True,
                         "body": {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": mt,
-                                 "temperature": 0}})
+                                 "temperature": 0, **extra}})
         else:
             out.append({"path": "/v1/completions", "chat": False,
-                        "body": {"model": model, "prompt": text, "max_tokens": mt, "temperature": 0}})
+                        "body": {"model": model, "prompt": text, "max_tokens": mt, "temperature": 0, **extra}})
     return out
+
+
+def bomb_png(width: int = 9000, height: int = 9000) -> bytes:
+    """A 1 x 1 PNG whose header claims ``width x height`` pixels (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00\x00"))
+            + chunk(b"IEND", b""))
+
+
+def _image_chat(model: str, url: str) -> bytes:
+    return json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
 
 
 def bad_request(rng: random.Random, model: str, max_body: int, faults: bool = False) -> tuple[str, bytes, set[int], str]:
@@ -146,7 +177,20 @@ def bad_request(rng: random.Random, model: str, max_body: int, faults: bool = Fa
     def j(**kw):
         return json.dumps({**base, **kw}).encode()
 
+    import base64
+
+    bomb = "data:image/png;base64," + base64.b64encode(bomb_png()).decode()
+    chat = "/v1/chat/completions"
     kinds = [
+        ("image-local-file", lambda: _image_chat(model, rng.choice(["/etc/passwd", "file:///etc/hostname", "../x.png",
+                                                                    "/nonexistent.png"])), {400}, chat),
+        ("image-bomb", lambda: _image_chat(model, bomb), {400}, chat),
+        ("logit_bias-bad-key", lambda: j(logit_bias={rng.choice(["x", "-1", "99999999"]): 1}), {400}),
+        ("logit_bias-out-of-range", lambda: j(logit_bias={"5": 150}), {400}),
+        ("frequency_penalty-3", lambda: j(frequency_penalty=3), {400}),
+        ("echo", lambda: j(echo=True), {400}),
+        ("best_of", lambda: j(best_of=2), {400}),
+        ("suffix", lambda: j(suffix="end"), {400}),
         ("seed-negative", lambda: j(seed=-rng.randint(1, 2**40), temperature=0.7), {400}),
         ("seed-huge", lambda: j(seed=2**63 + rng.randint(0, 2**70), temperature=0.7), {400}),
         ("temperature-nan", lambda: b'{"model": "%s", "prompt": "beca", "temperature": NaN}' % model.encode(), {400}),
@@ -174,8 +218,26 @@ def bad_request(rng: random.Random, model: str, max_body: int, faults: bool = Fa
             ("fault-in-prefill", lambda: j(prompt=FAULT_PREFILL + [rng.randint(3, 999)], max_tokens=30), {500}),
         ]
         kinds += kinds[-2:] * 4  # a fair share of the bad requests
-    kind, make, want = rng.choice(kinds)
-    return "/v1/completions", make(), want, kind
+    kind, make, want, *path = rng.choice(kinds)
+    return path[0] if path else "/v1/completions", make(), want, kind
+
+
+def half_header(base: str, limit: float) -> tuple[bool, float]:
+    """Open a connection, send half a request head and wait: ``(closed by the server
+    within limit seconds, seconds it took)`` (the server's header timeout)."""
+    u = urlparse(base)
+    t = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=limit) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        try:
+            while s.recv(4096):
+                pass
+            closed = True
+        except socket.timeout:
+            closed = False
+        except OSError:  # reset by the server
+            closed = True
+    return closed, time.monotonic() - t
 
 
 # --------------------------------------------------------------------------------------
@@ -193,6 +255,16 @@ def rss_mb(pid: int) -> float | None:
         out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
         return int(out.stdout.strip()) / 1024
     except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def open_fds(pid: int | None) -> int | None:
+    """The process's open file descriptors (Linux ``/proc``), or None."""
+    import os
+
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd")) if pid is not None else None
+    except OSError:
         return None
 
 
@@ -235,6 +307,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--draft-block-size", str(args.draft_block_size)]
     if args.faults:
         cmd += ["--set", 'plugins.load=["mtpflow.serve_faults"]']
+    if args.prefix_cache_mb is not None:
+        cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
+    cmd += ["--header-timeout", str(args.header_timeout)]
     cmd += args.server_arg
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if args.quiet else None)
     base = f"http://127.0.0.1:{port}"
@@ -294,6 +369,8 @@ def run(args) -> dict:
 
 
 def _run(args, base: str, proc) -> dict:
+    pid = proc.pid if proc is not None else args.pid
+    startup_rss, startup_fds = rss_mb(pid) if pid is not None else None, open_fds(pid)
     c = Client(base)
     model = json.loads(c.request("GET", "/v1/models")[2])["data"][0]["id"]
     goods = good_requests(model, args.pool, args.seed)
@@ -305,7 +382,7 @@ def _run(args, base: str, proc) -> dict:
             raise SystemExit(f"loadtest: a good request failed alone ({status}): {data[:300]!r}")
         solo.append(_text_of(status, data, g["chat"], False))
     solo_s = time.monotonic() - t0
-    sampler = MemorySampler(proc.pid if proc is not None else args.pid)
+    sampler = MemorySampler(pid)
     sampler.start()
     time.sleep(1.0)
     m0 = _metrics(base)
@@ -318,7 +395,15 @@ def _run(args, base: str, proc) -> dict:
         rng = random.Random(args.seed * 1000 + i)
         cl = Client(base, timeout=args.request_timeout)
         while time.monotonic() < stop_at:
-            if rng.random() < args.bad_fraction:
+            if rng.random() < args.bad_fraction and rng.random() < args.half_header_share:
+                limit = args.header_timeout + 3.0
+                try:
+                    closed, took = half_header(base, limit)
+                except OSError as exc:
+                    closed, took = repr(exc), limit
+                rec = {"good": False, "kind": "half-header", "status": "closed" if closed is True else closed,
+                       "ok": closed is True, "latency": took}
+            elif rng.random() < args.bad_fraction:
                 path, raw, want, kind = bad_request(rng, model, args.max_body_size, args.faults)
                 t = time.monotonic()
                 try:
@@ -344,7 +429,7 @@ def _run(args, base: str, proc) -> dict:
                     status, text, tokens = repr(exc), None, 0
                 rec = {"good": True, "kind": "stream" if stream else "plain", "status": status,
                        "ok": text == solo[k], "latency": time.monotonic() - t, "tokens": tokens,
-                       "mismatch": status == 200 and text != solo[k]}
+                       "mismatch": status == 200 and text != solo[k], "pool_index": k}
             with lock:
                 records.append(rec)
         cl.close()
@@ -358,6 +443,7 @@ def _run(args, base: str, proc) -> dict:
     wall = time.monotonic() - t_load
     time.sleep(args.idle_wait)  # the server goes idle: memory after the run
     m1 = _metrics(base)
+    end_fds = open_fds(pid)
     sampler.stop.set()
     sampler.join(5)
 
@@ -372,12 +458,14 @@ def _run(args, base: str, proc) -> dict:
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
     drafts = d("vllm:spec_decode_num_drafts_total")
+    cap = args.prefix_cache_mb if args.prefix_cache_mb is not None else DEFAULT_SERVE_PREFIX_CACHE_MB
     report = {
         "clients": args.clients, "duration_s": round(wall, 2), "bad_fraction": args.bad_fraction,
         "pool": len(goods), "solo_pass_s": round(solo_s, 2),
         "requests": len(records),
         "good": {"sent": len(good), "ok": sum(r["ok"] for r in good),
                  "mismatched": sum(bool(r.get("mismatch")) for r in good),
+                 "mismatched_pool_indices": sorted({r["pool_index"] for r in good if r.get("mismatch")}),
                  "failed": [r["status"] for r in good if not r["ok"] and not r.get("mismatch")][:20],
                  "streamed": sum(r["kind"] == "stream" for r in good)},
         "bad": {"sent": len(bad), "answered_as_expected": sum(r["ok"] for r in bad),
@@ -386,7 +474,11 @@ def _run(args, base: str, proc) -> dict:
         "latency_s": {"p50": _pct(lat, 50), "p95": _pct(lat, 95), "p99": _pct(lat, 99), "max": max(lat, default=None)},
         "throughput": {"good_requests_per_s": round(len(lat) / wall, 3),
                        "completion_tokens_per_s": round(sum(r.get("tokens", 0) for r in good if r["ok"]) / wall, 2)},
+        "open_fds": {"startup": startup_fds, "after_idle": end_fds},
         "memory_mb": None if not mem else {
+            "startup": None if startup_rss is None else round(startup_rss, 1),
+            "prefix_cache_cap": cap,
+            "budget": None if startup_rss is None else round(1.25 * (startup_rss + cap), 1),
             "warmup_s": round(warm, 1),
             "after_warmup": round(load_mem[0] if load_mem else mem[0], 1),
             "peak": round(max(mem), 1),
@@ -406,8 +498,11 @@ def _run(args, base: str, proc) -> dict:
     if report["memory_mb"]:
         mm = report["memory_mb"]
         mm["growth_during_load_pct"] = round(100 * (mm["end_of_load"] - mm["after_warmup"]) / mm["after_warmup"], 2)
+        mm["within_budget"] = None if mm["budget"] is None else mm["peak"] <= mm["budget"]
     report["passed"] = (report["good"]["ok"] == report["good"]["sent"] and
                         report["bad"]["answered_as_expected"] == report["bad"]["sent"] and len(good) > 0)
+    if args.check_memory and report["memory_mb"] and report["memory_mb"]["within_budget"] is False:
+        report["passed"] = False
     return report
 
 
@@ -428,8 +523,13 @@ def format_report(r: dict) -> str:
         f"  throughput {th['good_requests_per_s']} good requests/s, {th['completion_tokens_per_s']} tokens/s",
     ]
     if mem:
-        lines.append(f"  server RSS MB: after {mem['warmup_s']} s of load {mem['after_warmup']}, peak {mem['peak']}, end of load "
-                     f"{mem['end_of_load']} ({mem['growth_during_load_pct']:+.2f} %), after idle {mem['after_idle']}")
+        lines.append(f"  server RSS MB: at startup {mem['startup']}, after {mem['warmup_s']} s of load {mem['after_warmup']}, "
+                     f"peak {mem['peak']}, end of load {mem['end_of_load']} ({mem['growth_during_load_pct']:+.2f} %), "
+                     f"after idle {mem['after_idle']}; budget 1.25 x (startup + prefix cache {mem['prefix_cache_cap']} MiB)"
+                     f" = {mem['budget']}: {'within' if mem['within_budget'] else 'OVER'}")
+    fds = r.get("open_fds") or {}
+    if fds.get("startup") is not None:
+        lines.append(f"  server open file descriptors: {fds['startup']} at startup, {fds['after_idle']} after idle")
     lines.append(f"  spec decode: {sm['spec_decode_num_drafts']:.0f} drafts, mean acceptance length "
                  f"{s(sm['mean_acceptance_length'])}; rejected {sm['rejected']:.0f}, batch recoveries "
                  f"{sm['batch_recoveries']:.0f}")
@@ -447,6 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-body-size", type=int, default=256 * 1024,
                     help="the started server's body limit in bytes; the oversized bad request exceeds it "
                          "(default 262144)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=None,
+                    help=f"the started server's prefix cache (default: serve's, {DEFAULT_SERVE_PREFIX_CACHE_MB})")
+    ap.add_argument("--header-timeout", type=float, default=2.0,
+                    help="the started server's --header-timeout; half-header connections must close within it + 3 s "
+                         "(default 2)")
+    ap.add_argument("--half-header-share", type=float, default=0.1,
+                    help="share of the bad requests that are half-header connections (default 0.1)")
+    ap.add_argument("--check-memory", action="store_true",
+                    help="fail the run when the server's peak RSS exceeds 1.25 x (startup RSS + prefix cache cap)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra flag for mtpflow serve (repeatable)")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")

@@ -46,9 +46,11 @@ PROBE_SUFFIX = "#probe"
 
 
 def resume_request(request, emitted: list[int]):
-    """The request that continues ``request`` after it emitted ``emitted`` (same id and sampling)."""
+    """The request that continues ``request`` after it emitted ``emitted`` (same id and sampling;
+    the penalties still count ``emitted`` as its completion)."""
     return attrs.evolve(request, prompt=list(request.prompt) + list(emitted),
-                        max_tokens=request.max_tokens - len(emitted))
+                        max_tokens=request.max_tokens - len(emitted),
+                        generated_before=request.generated_before + len(emitted))
 
 
 class IsolatingBatcher(Batcher):

@@ -128,6 +128,8 @@ from mtpflow.logs import SERVER, round_logger, stdlib_logger
 from mtpflow.metrics import tau
 
 DEFAULT_MAX_CONTEXT = 8192
+#: ``--prefix-cache-mb``: MiB of finished requests' K/V kept for reuse
+DEFAULT_PREFIX_CACHE_MB = 256
 #: rows that may wait for a place in the batch before requests get 503
 DEFAULT_MAX_QUEUED = 128
 #: the largest request body, in bytes (``--max-body-size``)
@@ -1506,9 +1508,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights dtype (default float32)")
     parser.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                         help="set any config key, e.g. plugins.NAME.key=0.7 (a TOML value); repeatable (default: none)")
-    parser.add_argument("--prefix-cache-mb", type=int, default=256,
-                        help="keep the target's K/V of finished requests (an LRU of this many MiB) so a multi-turn chat "
-                             "prefills only its new turn; 0 = off")
+    parser.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB,
+                        help="keep the target's K/V of finished requests (an LRU of this many MiB, the memory really "
+                             f"held) so a multi-turn chat prefills only its new turn; 0 = off (default "
+                             f"{DEFAULT_PREFIX_CACHE_MB})")
     parser.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
                         help="info: one line per request; debug: also every round (default info)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

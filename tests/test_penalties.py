@@ -86,3 +86,22 @@ def generate_stream_one(session, p):
     from mtpflow.engine import generate
 
     return generate(session, p, max_tokens=24, sampling=SP()).tokens
+
+
+def test_a_resumed_request_keeps_counting_what_it_generated():
+    """The server resumes a row after an isolated error as prompt + emitted tokens; its
+    penalties still count the emitted tokens, so it continues exactly."""
+    from mtpflow.serve_batcher import resume_request
+
+    s = make_session("e", block_size=4)
+    sp = SP(frequency_penalty=20.0, presence_penalty=30.0)
+    full = _collect(s, [make_request(s, PROMPTS[0], max_tokens=24, sampling=sp, request_id="a")])["a"]
+    resumed = resume_request(make_request(s, PROMPTS[0], max_tokens=24, sampling=sp, request_id="b"), full[:6])
+    assert _collect(s, [resumed])["b"] == full[6:]
+
+
+def _collect(session, reqs):
+    out = {r.id: [] for r in reqs}
+    for ev in generate_stream(session, reqs):
+        out[ev.request_id].extend(ev.tokens)
+    return out
