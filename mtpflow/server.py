@@ -520,6 +520,8 @@ class Scheduler:
             "recoveries": b.recoveries,
             **self.counters,
             "session": self.session.stats.as_dict(),
+            "prefix_cache": None if self.session.prefix_cache is None else self.session.prefix_cache.describe(),
+            "mlx_memory": _mlx_memory(),
         }
         if self.metrics is not None:
             self.metrics.running.set(b.live)
@@ -681,6 +683,13 @@ class Scheduler:
             job.loop.call_soon_threadsafe(job.queue.put_nowait, msg)
         except RuntimeError:  # the event loop is gone
             pass
+
+
+def _mlx_memory() -> dict:
+    """MLX's allocator counters in bytes: arrays alive, freed buffers kept for reuse, the peak."""
+    import mlx.core as mx
+
+    return {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory()}
 
 
 def _evolve(inst, **changes):
