@@ -52,6 +52,28 @@ Backpressure, cancellation, deadlines
   ``"finish_detail": "timeout"`` on the choice.  A request still queued at
   its deadline ends the same way with empty text.
 
+Hardening
+---------
+* **Media**: images come as ``data:`` URLs.  Local paths (absolute, relative,
+  ``file://``) are refused with one message whatever the file system holds,
+  unless they resolve (symlinks included) to a file under
+  ``--allowed-local-media-path DIR``.  Each image's width and height are read
+  from its header (nothing is decoded) and refused past
+  ``--max-image-pixels`` (default 4096 x 4096) or, summed over a request,
+  ``--max-request-pixels`` (default four such images).  Error messages carry
+  no server path (model folders, the home directory).
+* **Memory**: the prefix cache (``--prefix-cache-mb``) copies each stored row
+  into buffers of its own, so its cap bounds the memory it really holds;
+  ``GET /v1/stats`` reports its bytes and MLX's allocator counters.
+* **Connections** (:mod:`mtpflow.serve_http`): a connection whose request
+  head is not complete ``--header-timeout`` seconds after it opened (or after
+  the head's first byte) is closed; idle keep-alive connections close after
+  ``--timeout-keep-alive``; a head past ``--max-header-size`` is a 400; past
+  ``--limit-concurrency`` connections + requests new requests get 503.
+* **Startup**: ``--host`` / ``--port`` are checked and the socket bound before
+  the model loads (a one-line error); "serving on ..." is printed once the
+  server listens.
+
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` = server-sent events in the
 OpenAI chunk format, ending with ``data: [DONE]``), ``GET /v1/stats`` (JSON)
@@ -71,7 +93,14 @@ number of alternatives, 0-5; chat: a boolean, with ``top_logprobs`` 0-20 --
 OpenAI's shapes, from the target's processed distribution, the same with and
 without speculation: :mod:`mtpflow.serve_logprobs`), ``max_time`` and the
 extension ``speculative`` (``false`` decodes that request with the target
-alone inside the shared batch).  Other fields are ignored.  Sampling
+alone inside the shared batch), ``logit_bias`` (token ids inside the
+vocabulary -> values in ``[-100, 100]``), ``frequency_penalty`` and
+``presence_penalty`` (``[-2, 2]``, OpenAI's definition over the completion's
+tokens; on the speculative path each verified position counts the drafts
+before it, so the output equals target-only decoding), ``response_format``
+(a 400 at validation when the tokenizer cannot be constrained).  Completions'
+``echo``, ``best_of`` (other than 1) and ``suffix`` are a 400 naming the
+field.  Other fields are ignored.  Sampling
 defaults come from the config's ``[sampling]`` table (temperature 0 = greedy
 unless configured otherwise).  A request with ``temperature > 0`` and no
 ``seed`` gets a random seed.
