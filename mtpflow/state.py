@@ -65,7 +65,7 @@ class Request:
     stop_ids: frozenset[int] = field(factory=frozenset)
     speculative: bool = True
     #: how many of the prompt's last tokens the request itself generated (a request
-    #: resumed after an error, see :mod:`mtpflow.serve_batcher`): the frequency and
+    #: resumed after an error, see :mod:`mtpflow.serve.batcher`): the frequency and
     #: presence penalties count them as the completion's
     generated_before: int = 0
     #: images / audio of a multimodal prompt, as the target adapter takes them

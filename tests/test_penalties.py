@@ -91,7 +91,7 @@ def generate_stream_one(session, p):
 def test_a_resumed_request_keeps_counting_what_it_generated():
     """The server resumes a row after an isolated error as prompt + emitted tokens; its
     penalties still count the emitted tokens, so it continues exactly."""
-    from mtpflow.serve_batcher import resume_request
+    from mtpflow.serve.batcher import resume_request
 
     s = make_session("e", block_size=4)
     sp = SP(frequency_penalty=20.0, presence_penalty=30.0)

@@ -30,9 +30,9 @@ WORDS = "beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa".
 
 
 # prompts (token ids) that the fault-injecting plugin acts on; no text prompt starts with them
-from mtpflow.serve_faults import FAULT_PREFILL as POISON_PREFILL  # noqa: E402
-from mtpflow.serve_faults import FAULT_ROUND as POISON_ROUND  # noqa: E402
-from mtpflow.serve_faults import SLOW, Faults  # noqa: E402
+from mtpflow.serve.faults import FAULT_PREFILL as POISON_PREFILL  # noqa: E402
+from mtpflow.serve.faults import FAULT_ROUND as POISON_ROUND  # noqa: E402
+from mtpflow.serve.faults import SLOW, Faults  # noqa: E402
 
 MAX_BODY = 1 << 20
 
@@ -820,7 +820,7 @@ def test_logprobs_with_draft_trees_equal_target_only():
 
     from mtpflow.config import load_config
     from mtpflow.engine import generate_stream, load_session, make_request
-    from mtpflow.serve_logprobs import LogprobRecorder
+    from mtpflow.serve.logprobs import LogprobRecorder
 
     rec, rounds = LogprobRecorder(), RoundLog()
     cfg = load_config(overrides={"model": {"model": str(PAIR / "target"), "draft_model": str(PAIR / "drafter")},

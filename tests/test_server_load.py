@@ -42,7 +42,7 @@ def test_loadtest_smoke(tmp_path, capsys):
 
 def test_loadtest_fails_when_outputs_differ(monkeypatch, tmp_path):
     """A good request whose output differs from its solo run fails the run."""
-    import mtpflow.loadtest as lt
+    import mtpflow.serve.loadtest as lt
 
     real = lt._text_of
     calls = {"n": 0}

@@ -39,7 +39,7 @@ import copy
 
 import attrs
 
-from .engine import Batcher, Event
+from ..engine import Batcher, Event
 
 #: appended to the request id of a probe (a row run alone to find a failing one)
 PROBE_SUFFIX = "#probe"
