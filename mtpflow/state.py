@@ -64,9 +64,18 @@ class Request:
     sampling: SamplingParams = field(factory=SamplingParams)
     stop_ids: frozenset[int] = field(factory=frozenset)
     speculative: bool = True
+    #: how many of the prompt's last tokens the request itself generated (a request
+    #: resumed after an error, see :mod:`mtpflow.serve.batcher`): the frequency and
+    #: presence penalties count them as the completion's
+    generated_before: int = 0
     #: images / audio of a multimodal prompt, as the target adapter takes them
     #: (``None``: text only); its prompt holds their placeholder tokens
     media: Any = field(default=None, eq=False, repr=lambda m: "None" if m is None else f"<{type(m).__name__}>")
+
+
+def completion_start(request: Request) -> int:
+    """Where ``request``'s completion begins in prompt + generated tokens."""
+    return len(request.prompt) - request.generated_before
 
 
 @frozen(kw_only=True)

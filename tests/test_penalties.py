@@ -68,17 +68,18 @@ def _run(session, speculative=True):
     return out
 
 
-@pytest.mark.parametrize("pair, block", [("e", 4)])
-def test_speculative_equals_target_only_with_penalties(pair, block):
-    spec = make_session(pair, block_size=block, batch={"policy": "continuous", "max_batch_size": 12})
-    plain = make_session(pair, block_size=block, with_drafter=False, batch={"policy": "continuous",
-                                                                             "max_batch_size": 12})
+@pytest.fixture(scope="module")
+def spec():
+    return make_session("e", block_size=4, batch={"policy": "continuous", "max_batch_size": 12})
+
+
+def test_speculative_equals_target_only_with_penalties(spec):
+    plain = make_session("e", block_size=4, with_drafter=False, batch={"policy": "continuous", "max_batch_size": 12})
     got = _run(spec)
     assert got == _run(plain)
     assert spec.stats.as_dict()["accepted_tokens"] > 0  # the drafts were used
     # the penalties act: without them the greedy rows differ
-    base = make_session(pair, block_size=block, with_drafter=False)
-    free = {f"{i}-0": generate_stream_one(base, p) for i, p in enumerate(PROMPTS)}
+    free = {f"{i}-0": generate_stream_one(plain, p) for i, p in enumerate(PROMPTS)}
     assert sum(free[k] != got[k] for k in free) >= 2
 
 
@@ -86,3 +87,22 @@ def generate_stream_one(session, p):
     from mtpflow.engine import generate
 
     return generate(session, p, max_tokens=24, sampling=SP()).tokens
+
+
+def test_a_resumed_request_keeps_counting_what_it_generated(spec):
+    """The server resumes a row after an isolated error as prompt + emitted tokens; its
+    penalties still count the emitted tokens, so it continues exactly."""
+    from mtpflow.serve.batcher import resume_request
+
+    s = spec
+    sp = SP(frequency_penalty=20.0, presence_penalty=30.0)
+    full = _collect(s, [make_request(s, PROMPTS[0], max_tokens=24, sampling=sp, request_id="a")])["a"]
+    resumed = resume_request(make_request(s, PROMPTS[0], max_tokens=24, sampling=sp, request_id="b"), full[:6])
+    assert _collect(s, [resumed])["b"] == full[6:]
+
+
+def _collect(session, reqs):
+    out = {r.id: [] for r in reqs}
+    for ev in generate_stream(session, reqs):
+        out[ev.request_id].extend(ev.tokens)
+    return out

@@ -30,9 +30,9 @@ WORDS = "beca daka doli bugi base dana gane bate dozi behe gebu fine firo gifa".
 
 
 # prompts (token ids) that the fault-injecting plugin acts on; no text prompt starts with them
-from mtpflow.serve_faults import FAULT_PREFILL as POISON_PREFILL  # noqa: E402
-from mtpflow.serve_faults import FAULT_ROUND as POISON_ROUND  # noqa: E402
-from mtpflow.serve_faults import SLOW, Faults  # noqa: E402
+from mtpflow.serve.faults import FAULT_PREFILL as POISON_PREFILL  # noqa: E402
+from mtpflow.serve.faults import FAULT_ROUND as POISON_ROUND  # noqa: E402
+from mtpflow.serve.faults import SLOW, Faults  # noqa: E402
 
 MAX_BODY = 1 << 20
 
@@ -820,7 +820,7 @@ def test_logprobs_with_draft_trees_equal_target_only():
 
     from mtpflow.config import load_config
     from mtpflow.engine import generate_stream, load_session, make_request
-    from mtpflow.serve_logprobs import LogprobRecorder
+    from mtpflow.serve.logprobs import LogprobRecorder
 
     rec, rounds = LogprobRecorder(), RoundLog()
     cfg = load_config(overrides={"model": {"model": str(PAIR / "target"), "draft_model": str(PAIR / "drafter")},
@@ -878,3 +878,47 @@ def test_response_format_without_a_byte_decoder_is_a_400(server, client):
     err = _error(_post(server, {"model": MODEL, "prompt": PROMPT, "response_format": {"type": "regex", "regex": "("}}))
     assert err["code"] == "invalid_value"  # a broken grammar is still named as such
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+# --------------------------------------------------------------------------------------
+# logit_bias, frequency / presence penalties; echo, best_of, suffix refused
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "an object"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"presence_penalty": -3}, "presence_penalty", "[-2, 2]"),
+    ({"presence_penalty": "high"}, "presence_penalty", "a number"),
+    ({"echo": True}, "echo", "not supported"),
+    ({"best_of": 3}, "best_of", "not supported"),
+    ({"suffix": "the end"}, "suffix", "not supported"),
+])
+def test_sampling_fields_are_validated(server, extra, param, needle):
+    err = _error(_post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, **extra}))
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_logit_bias_and_penalties_act_and_speculation_keeps_them(server, client):
+    base = dict(model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=1, echo=False, best_of=1, suffix=None)
+    plain = client.completions.create(temperature=0, **base)
+    first = plain.choices[0].logprobs.tokens[0]
+    tok = server["sched"].call(lambda s: s.tokenizer.encode(first, add_special_tokens=False))[-1]
+    for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+        extra = {"logit_bias": {str(tok): -60}, "frequency_penalty": 2.0, "presence_penalty": 1.5}
+        spec = client.completions.create(**base, **kw, extra_body=extra)
+        alone = client.completions.create(**base, **kw, extra_body={**extra, "speculative": False})
+        assert spec.choices[0].text == alone.choices[0].text
+        assert spec.usage.model_extra["draft_tokens"] > 0 and alone.usage.model_extra["draft_tokens"] == 0
+        lp, lp_alone = spec.choices[0].logprobs.token_logprobs, alone.choices[0].logprobs.token_logprobs
+        assert lp == pytest.approx(lp_alone, abs=2e-4)
+    # the bias moved the first token's probability (greedy rows report the processed distribution)
+    biased = client.completions.create(temperature=0, **base, extra_body={"logit_bias": {str(tok): -60}})
+    if biased.choices[0].logprobs.tokens[0] == first:
+        assert biased.choices[0].logprobs.token_logprobs[0] < plain.choices[0].logprobs.token_logprobs[0] - 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "beca"}], max_tokens=4,
+                                          logit_bias={str(tok): 5}, frequency_penalty=0.5, presence_penalty=0.5)
+    assert chat.usage.completion_tokens >= 1

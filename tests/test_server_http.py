@@ -30,7 +30,7 @@ def _app():
 @pytest.fixture()
 def limited():
     """A server with a 0.5 s header timeout, a 1 s keep-alive and 4 KiB heads; its port."""
-    from mtpflow.serve_http import bind, listening_server, uvicorn_config
+    from mtpflow.serve.http import bind, listening_server, uvicorn_config
 
     sock = bind("127.0.0.1", 0)
     heard: list[int] = []

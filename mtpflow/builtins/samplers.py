@@ -189,7 +189,9 @@ class RejectionSampler(_Processors):
             return None, None
         ctx = [list(r.request.prompt) + list(r.generated) for r in rows]
         T = max(len(c) for c in ctx)
-        starts = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32) if self.params.use_penalties else None
+        from mtpflow.state import completion_start
+
+        starts = mx.array([completion_start(r.request) for r in rows], dtype=mx.int32) if self.params.use_penalties else None
         return mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32), starts
 
     def first(self, logits, state):

@@ -33,7 +33,7 @@ def check_address(host: str, port: int) -> None:
     """Raise :class:`~mtpflow.config.ConfigError` (one line) for a port outside
     ``0..65535`` (0: any free port) or a host that is neither an IP address nor a
     name this machine resolves."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
@@ -53,7 +53,7 @@ def check_address(host: str, port: int) -> None:
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to ``(host, port)`` (not yet listening), or a one-line
     :class:`~mtpflow.config.ConfigError` (address in use, not this machine's, no permission)."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     check_address(host, port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

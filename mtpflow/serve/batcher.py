@@ -39,16 +39,18 @@ import copy
 
 import attrs
 
-from .engine import Batcher, Event
+from ..engine import Batcher, Event
 
 #: appended to the request id of a probe (a row run alone to find a failing one)
 PROBE_SUFFIX = "#probe"
 
 
 def resume_request(request, emitted: list[int]):
-    """The request that continues ``request`` after it emitted ``emitted`` (same id and sampling)."""
+    """The request that continues ``request`` after it emitted ``emitted`` (same id and sampling;
+    the penalties still count ``emitted`` as its completion)."""
     return attrs.evolve(request, prompt=list(request.prompt) + list(emitted),
-                        max_tokens=request.max_tokens - len(emitted))
+                        max_tokens=request.max_tokens - len(emitted),
+                        generated_before=request.generated_before + len(emitted))
 
 
 class IsolatingBatcher(Batcher):

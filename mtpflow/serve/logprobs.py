@@ -47,7 +47,7 @@ def processed_logprobs(session, rows, logits, drafts=None, prefill: bool = False
     """``[B, L, V]`` (``[B, V]``) log-probabilities of the rows' processed target distribution."""
     import mlx.core as mx
 
-    from .sampling import ProcessParams, process_logits
+    from ..sampling import ProcessParams, process_logits
 
     sampler = session.sampler
     pre = getattr(sampler, "_pre", None)  # the sampler's configured logits processors
@@ -61,7 +61,9 @@ def processed_logprobs(session, rows, logits, drafts=None, prefill: bool = False
         ctx = [list(r.request.prompt) + ([] if prefill else list(r.generated)) for r in rows]
         T = max(len(c) for c in ctx)
         context = mx.array([c + [-1] * (T - len(c)) for c in ctx], dtype=mx.int32)
-        starts = mx.array([len(r.request.prompt) for r in rows], dtype=mx.int32)
+        from ..state import completion_start
+
+        starts = mx.array([completion_start(r.request) for r in rows], dtype=mx.int32)
     return process_logits(logits, params, context, appended=drafts, completion_start=starts)
 
 

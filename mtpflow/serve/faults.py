@@ -6,7 +6,7 @@ every round it is in raise (after the verify forward, as a broken sampler or
 plugin would); :data:`SLOW` rows make each round 50 ms longer.  The ids need
 a vocabulary of at least 2048 tokens (the test fixtures have exactly that).
 
-Load it into a server with ``mtpflow serve --set 'plugins.load=["mtpflow.serve_faults"]'``
+Load it into a server with ``mtpflow serve --set 'plugins.load=["mtpflow.serve.faults"]'``
 (``python -m mtpflow.loadtest --faults`` does), or register a
 :class:`Faults` instance yourself (the tests do, to read what it saw).
 """
