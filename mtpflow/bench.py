@@ -761,6 +761,8 @@ def _plots(result: dict, out: Path) -> list[str]:
 #: the warning of a run with one timed repeat per variant
 ONE_REPEAT = ("--repeats 1: one timed run per variant, so its tokens/s and ratios are noise (a 2x ratio can be "
               "chance); use --repeats 3 or more to compare variants")
+
+
 def apply_preset(args) -> argparse.Namespace:
     """``args`` with ``--preset``'s values wherever the command line left a default."""
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})

@@ -2,8 +2,8 @@
 
 On a CPU stream MLX has no kernel for ``mx.fast.rms_norm`` or ``mx.fast.rope``:
 each call expands into its fallback, ~11 and ~28 graph nodes, and the thread
-that submits a graph pays a few microseconds per node (docs/benchmarks.md (s),
-(t)).  On a small model that submission, not the arithmetic, bounds a token.
+that submits a graph pays a few microseconds per node (docs/benchmarks.md,
+"What limits speed on this CPU").  On a small model that submission, not the arithmetic, bounds a token.
 
 * RMSNorm (``nn.RMSNorm``, Gemma's ``1 + weight`` norms, Gemma 4's unscaled
   one) and RoPE run their fallbacks through ``mx.compile``, which fuses
