@@ -292,12 +292,26 @@ class HeadedDrafter(Protocol):
 class InTargetDrafter(Protocol):
     """A drafter kind whose drafter ships inside the target checkpoint (a
     native MTP head): run when no drafter checkpoint is given and the kind is
-    asked for by name or by one of its optional ``aliases``, or, with nothing
-    asked for, when it sets ``auto_detect = True``."""
+    asked for by name or by one of its ``aliases``, or, with nothing asked
+    for, when it sets ``auto_detect = True``."""
+
+    #: other names ``--draft-kind`` may give it (e.g. ``("mtp",)``)
+    aliases: tuple[str, ...]
+    #: run it whenever the target carries one and no drafter is asked for
+    auto_detect: bool
 
     @classmethod
     def in_target(cls, target_config: dict, target_path: Any) -> bool:
         """Whether this target checkpoint carries a drafter of this kind."""
+
+
+@runtime_checkable
+class LabelledDrafter(Protocol):
+    """A drafter that names itself in the stats line and ``--json``
+    (``stats.drafter``) better than its kind does, e.g. ``native MTP head
+    (depth 1, glm_moe_dsa)``."""
+
+    label: str
 
 
 @runtime_checkable
@@ -335,6 +349,29 @@ class SessionBound(Protocol):
 
 
 @runtime_checkable
+class LimitedTarget(Protocol):
+    """A target that declares what its caches can do (every
+    :class:`~mtpflow.targets.base.TargetAdapter` does; a target without the
+    declaration can do both).  A recurrent layer (Gated DeltaNet, Mamba)
+    cannot verify a tree of drafts in one forward, nor be stored in and
+    reused from the prefix cache: such a target drafts chains and runs with
+    the prefix cache off, each said once with a warning."""
+
+    #: the target can verify a tree of drafts in one forward
+    supports_trees: bool
+    #: the prefix cache may store and reuse this target's cache
+    supports_prefix_cache: bool
+
+
+def target_supports(target: Any, what: str) -> bool:
+    """Whether ``target`` supports ``what`` (``"trees"``, ``"prefix_cache"``):
+    what it declares as a :class:`LimitedTarget`, else yes."""
+    if not has(target, LimitedTarget):
+        return True
+    return bool(target.supports_trees if what == "trees" else target.supports_prefix_cache)
+
+
+@runtime_checkable
 class PeekingBlockPolicy(Protocol):
     """A block policy that can say what its next ``block_size`` will most
     likely be, with no side effects (``None``: no guess).  When it says 1, a
@@ -347,9 +384,11 @@ class PeekingBlockPolicy(Protocol):
 #: kind -> the optional capabilities the host looks for on what it registers or builds
 CAPABILITIES: dict[str, tuple[type, ...]] = {
     "drafters": (TreeDrafter, PrefillingDrafter, CommittingDrafter, CheckedDrafter, RecognisingDrafter,
-                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter, InTargetDrafter, TargetCheckedDrafter),
+                 BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter, InTargetDrafter, TargetCheckedDrafter,
+                 LabelledDrafter),
     "samplers": (TreeSampler, LookaheadSafe, SessionBound),
     "block_policies": (PeekingBlockPolicy,),
+    "targets": (LimitedTarget,),
 }
 
 
@@ -477,7 +516,7 @@ __all__ = [
     "LMHead", "Sampler", "LogitsProcessor", "Drafter", "BlockPolicy", "BatchPolicy", "Target",
     "CAPABILITIES", "capabilities", "has", "TreeDrafter", "PrefillingDrafter", "CommittingDrafter", "CheckedDrafter",
     "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "InTargetDrafter",
-    "TargetCheckedDrafter", "TreeSampler",
+    "TargetCheckedDrafter", "LabelledDrafter", "LimitedTarget", "target_supports", "TreeSampler",
     "LookaheadSafe", "SessionBound", "PeekingBlockPolicy",
     "AcceptResult", "BatchState", "DraftBlock", "KVView", "Request", "RoundRecord", "RowState", "SamplingParams",
     "SharedKV", "VerifyResult", *sorted(_LAZY),

@@ -544,15 +544,15 @@ def _in_target_sessions(session) -> list[tuple]:
     the session's own: bench rows for it come next to the given drafter's."""
     import attrs
 
+    from .api import InTargetDrafter, has
     from .engine import DrafterOptions
 
     out = []
     t = session.target
     for name, cls in session.plugins.drafters.items():
-        found = getattr(cls, "in_target", None)
-        if found is None or name == session.draft_kind or not found(t.config, getattr(t, "path", None)):
+        if name == session.draft_kind or not has(cls, InTargetDrafter) or not cls.in_target(t.config, t.path):
             continue
-        opts = DrafterOptions(plugins=session.plugins, dtype=session.config.model.dtype, config=session.config,
+        opts = DrafterOptions(plugins=session.plugins, dtype=session.dtype.split(" + ")[-1], config=session.config,
                               settings=session.plugins.settings_for(name, cls, session.config))
         out.append((name, attrs.evolve(session, drafter=cls.load(None, t, opts), draft_kind=name)))
     return out

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_arguments(d)
 
     s = add("serve", help="serve an OpenAI-compatible HTTP API with speculative decoding")
-    from .server import add_serve_arguments
+    from .serve.cli import add_serve_arguments
 
     add_serve_arguments(s)
 
@@ -196,12 +196,13 @@ def cmd_generate(args) -> int:
 def _generate(args, cfg, log) -> int:
     import time
 
+    from . import api
     from .engine import generate_stream, load_session, make_request
     from .metrics import format_stats
 
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise CLIError(f"--seed must be in [0, 2**63) (got {args.seed})")
-    from .server import DEFAULT_MAX_CONTEXT
+    from .serve.protocol import DEFAULT_MAX_CONTEXT
 
     if args.max_context is not None and args.max_context < 2:
         raise CLIError(f"--max-context must be at least 2 (got {args.max_context})")
@@ -276,7 +277,7 @@ def _generate(args, cfg, log) -> int:
         elapsed_s=round(elapsed, 4),
         tokens_per_s=round(ntok / elapsed, 2) if elapsed > 0 else None,
         draft_kind=session.draft_kind,
-        drafter=getattr(session.drafter, "label", None) or session.draft_kind,
+        drafter=session.drafter.label if api.has(session.drafter, api.LabelledDrafter) else session.draft_kind,
         block_size=session.config.draft.block_size if session.drafter is not None else 1,
         block_policy=policy,
         dtype=session.dtype,
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return main_doctor(args)
         if args.command == "serve":
-            from .server import run_serve
+            from .serve.cli import run_serve
 
             return run_serve(args)
         if args.command == "bench":

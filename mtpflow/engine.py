@@ -21,8 +21,8 @@ from .drafters.base import recommended_block_size
 from .logs import round_logger
 from .metrics import SpecDecodingStats
 from .api import (
-    BlockDrafter, BlockSizeHint, CheckedDrafter, CommittingDrafter, HeadedDrafter, RecognisingDrafter, SessionBound,
-    TreeDrafter, TreeSampler, check_needs, has,
+    BlockDrafter, BlockSizeHint, CheckedDrafter, CommittingDrafter, HeadedDrafter, InTargetDrafter, RecognisingDrafter,
+    SessionBound, TargetCheckedDrafter, TreeDrafter, TreeSampler, check_needs, has, target_supports,
 )
 from .errors import TargetError
 from .plugins import Plugins, PluginError, get_plugins
@@ -114,7 +114,7 @@ class Session:
     def trees_supported(self, state) -> bool:
         """Whether this round may verify a tree: a drafter that drafts trees and
         a sampler whose processing does not read the drafts' history."""
-        return (has(self.drafter, TreeDrafter) and getattr(self.target, "supports_trees", True)
+        return (has(self.drafter, TreeDrafter) and target_supports(self.target, "trees")
                 and has(self.sampler, TreeSampler) and self.sampler.supports_trees(state))
 
     @property
@@ -224,9 +224,8 @@ def _read_config(path: Path) -> dict:
 
 def _runs(cls, drafter_config: dict) -> bool:
     """Whether drafter kind ``cls`` recognises the checkpoint config itself."""
-    matches = getattr(cls, "matches", None)
-    return bool(matches is not None and matches(drafter_config)) or drafter_config.get("model_type") in getattr(
-        cls, "model_types", ())
+    return (has(cls, RecognisingDrafter) and bool(cls.matches(drafter_config))) or (
+        drafter_config.get("model_type") in cls.model_types)
 
 
 def detect_draft_kind(plugins: Plugins, drafter_config: dict, requested: str | None) -> str:
@@ -275,15 +274,14 @@ def in_target_kind(plugins: Plugins, target_config: dict, target_path: Path, req
     if requested == "none":
         return None
     for name, cls in plugins.drafters.items():
-        in_target = getattr(cls, "in_target", None)
-        if in_target is None:
+        if not has(cls, InTargetDrafter):
             continue
-        asked = requested is not None and (requested == name or requested in getattr(cls, "aliases", ()))
-        if (asked or (requested is None and getattr(cls, "auto_detect", False))) and in_target(target_config, target_path):
+        asked = requested is not None and (requested == name or requested in cls.aliases)
+        if (asked or (requested is None and cls.auto_detect)) and cls.in_target(target_config, target_path):
             return name
         if asked and requested != name and requested in plugins.drafters.names():
             own = plugins.drafters.get(requested)
-            if getattr(own, "model_types", ()) and hasattr(cls, "check_target"):
+            if own.model_types and has(cls, TargetCheckedDrafter):
                 # the requested kind loads checkpoints and none was given: say why the target's own drafter cannot serve
                 from .errors import TargetError
 
@@ -461,7 +459,7 @@ def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bo
     elif mc.draft_kind is not None or mc.model is not None:
         kind = in_target_kind(plugins, tcfg, tpath, mc.draft_kind)
         drafter_cls = plugins.drafters.get(kind) if kind is not None else None
-        if hasattr(drafter_cls, "check_target"):
+        if has(drafter_cls, TargetCheckedDrafter):
             drafter_cls.check_target(tcfg, tpath)  # before any weight is loaded
 
     # what a config that leaves [draft] alone gets for this pair (bench's "default" variant)
@@ -491,11 +489,11 @@ def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bo
 
     dtype = dtypes.resolve_dtype(mc.dtype, tpath, tcfg)  # "auto": the checkpoint's on a GPU, float32 on a CPU
     target = target_cls.from_path(tpath, tcfg, dtype=dtype)
-    if config.batch.prefix_cache_mb and not getattr(target, "supports_prefix_cache", True):
+    if config.batch.prefix_cache_mb and not target_supports(target, "prefix_cache"):
         warnings.warn(f"{tpath}: the prefix cache cannot serve this target (model_type {mt!r}); running without it "
                       "(set [batch] prefix_cache_mb = 0 to silence this)", stacklevel=2)
         config = attrs.evolve(config, batch=attrs.evolve(config.batch, prefix_cache_mb=0))
-    if config.draft.tree != "off" and not getattr(target, "supports_trees", True):
+    if config.draft.tree != "off" and not target_supports(target, "trees"):
         warnings.warn(f"{tpath}: this target (model_type {mt!r}) verifies chains only; drafting chains instead of trees", stacklevel=2)
         config = attrs.evolve(config, draft=attrs.evolve(config.draft, tree="off"))
     drafter = None
