@@ -46,15 +46,15 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=False,
         why={
-            "bucket_shapes": "measured (docs/benchmarks.md "Chains and trees"): a CPU verify's cost grows with its tokens "
+            "bucket_shapes": "measured (docs/benchmarks.md 'Chains and trees'): a CPU verify's cost grows with its tokens "
                              "(and not monotonically), so padding costs compute; MLX's CPU kernels are not "
                              "compiled per shape",
-            "submit_layers": "measured (docs/benchmarks.md "What limits speed on this CPU"): MLX's CPU stream keeps ~10 ops in flight, so "
+            "submit_layers": "measured (docs/benchmarks.md 'What limits speed on this CPU'): MLX's CPU stream keeps ~10 ops in flight, so "
                              "async_eval cannot run ahead; submitting each layer lifted the fixture's null path "
                              "from 0.924x to 0.972x mlx-lm at batch 1",
-            "fuse_ops": "measured (docs/benchmarks.md "What limits speed on this CPU"): no CPU kernel for mx.fast.rms_norm / rope; a fixture "
+            "fuse_ops": "measured (docs/benchmarks.md 'What limits speed on this CPU'): no CPU kernel for mx.fast.rms_norm / rope; a fixture "
                         "token's graph went from 987 to 521 nodes, null path 0.942x -> 1.500x mlx-lm at batch 1",
-            "blas_preload": "measured (docs/benchmarks.md "What limits speed on this CPU"): the wheel's reference sgemm makes 8 rows cost ~8x "
+            "blas_preload": "measured (docs/benchmarks.md 'What limits speed on this CPU'): the wheel's reference sgemm makes 8 rows cost ~8x "
                             "one row; OpenBLAS makes a 4-token verify cost ~1.2x one token",
             "compile_elementwise": "one node instead of three per softcap call; mlx-lm compiles its own too",
         },
