@@ -421,7 +421,8 @@ def load_session(
 def _load_session(config: Config, plugins: Plugins, log: Any, load_tokenizer: bool) -> Session:
     plugins.check_settings(config)
     mc = config.model
-    if mc.draft_kind is not None:
+    aliases = {a for _, cls in plugins.drafters.items() if has(cls, InTargetDrafter) for a in cls.aliases}
+    if mc.draft_kind not in (None, "none") and mc.draft_kind not in aliases:
         plugins.drafters.get(mc.draft_kind)  # an unknown kind is an error listing the registered ones
     if mc.model is None:  # the built-in target; its drafter unless another drafter or kind is asked for
         tpath = resolve_model(DEFAULT_TARGET)
