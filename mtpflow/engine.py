@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any

@@ -118,9 +118,9 @@ def test_a_draft_model_submits_its_layers_as_the_target_does(monkeypatch, mode):
 def test_auto_is_on_for_a_cpu_device_and_a_bad_value_is_refused(monkeypatch):
     s = make_session("e", with_drafter=False)
     assert s.config.generation.submit_layers == "auto"
-    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert s.submit_layers is True
-    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # Metal / CUDA: async_eval runs ahead already
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))  # Metal / CUDA: async_eval runs ahead already
     assert s.submit_layers is False
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="submit_layers"):
