@@ -357,8 +357,14 @@ def _schedule(cfg: TrainConfig):
     return optim.join_schedules([warm, cos], [cfg.warmup])
 
 
-def _load_target(target):
+def _load_target(target, bits: int | None = None):
+    """A target adapter (float32); ``bits``: quantized to 4 / 8 bits while it
+    loads (:func:`mtpflow.train.memory.quantized_from_path`)."""
     if not isinstance(target, (str, Path)):
+        if bits:
+            from .memory import quantize_target
+
+            quantize_target(target, bits)
         return target
     from ..engine import resolve_model
     from ..plugins import get_plugins
@@ -367,6 +373,10 @@ def _load_target(target):
     path = resolve_model(str(target))
     cfg = read_config(path)
     cls = get_plugins().targets.get(cfg.get("model_type"))
+    if bits:
+        from .memory import quantized_from_path
+
+        return quantized_from_path(cls, path, cfg, bits)
     return cls.from_path(path, cfg, dtype="float32")
 
 
@@ -517,7 +527,9 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     grad_fn = nn.value_and_grad(model, objective)
     log_f = open(log_path, "a") if ranks.main else None
     bar = _Progress(cfg.steps, step, cfg.progress and ranks.main, desc=f"train [{device()['backend']}]")
-    flops = Throughput(matmul_rate(0.3) if bar.enabled and step < cfg.steps else None)
+    peak_before = mx.get_peak_memory()  # (the matmul probe's buffers are not the run's)
+    flops = Throughput(matmul_rate() if bar.enabled and step < cfg.steps else None)
+    mx.reset_peak_memory()
     micro = micro_slices(rows, cfg.grad_accum) if cfg.grad_accum > 1 else [rows]
     t0 = time.time()
     tokens_start = tokens_seen
@@ -575,7 +587,7 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             if step % cfg.log_every == 0 or step == cfg.steps:
                 log_f.flush()
             tps = (tokens_seen - tokens_start) / max(time.time() - t0, 1e-9)
-            mem = peak()
+            mem = peak(max(peak_before, mx.get_peak_memory()))
             bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema)
                        + " " + rate_text(tps, ranks) + f" {flops.text()} peak {mem['mlx_peak_gb']:.2f}/"
                        + f"{mem['rss_peak_gb']:.2f} GB")
@@ -593,10 +605,10 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
         if log_f is not None:
             log_f.close()
     speed = throughput(tokens_seen - tokens_start, time.time() - t0, ranks)
+    speed["peak_memory"] = peak(max(peak_before, mx.get_peak_memory()))
     if flops.steps and flops.rate is None:
-        flops.rate = matmul_rate(0.3)  # measured after the run when no progress bar needed it before
+        flops.rate = matmul_rate()  # measured after the run when no progress bar needed it before
     speed["flops"] = flops.summary()
-    speed["peak_memory"] = peak()
     return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0, speed
 
 
@@ -673,7 +685,8 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     out.mkdir(parents=True, exist_ok=True)
     ranks = world()
     ranks.rows(cfg.batch_size)  # a batch the ranks cannot share is refused before any data is read
-    target = _load_target(target)
+    mx.reset_peak_memory()  # the summary's peak is this run's (target loading included)
+    target = _load_target(target, cfg.target_bits)
     if cfg.kind != "assistant":
         from .kinds import train_kind
 
@@ -780,6 +793,19 @@ def add_train_arguments(p) -> None:
                         "checkpoint), dflash (written in z-lab's format); --drafter-config takes the kind's options, "
                         'e.g. {"draft_vocab_size": 8192} (eagle3) or {"block_size": 16, "num_hidden_layers": 2} (dflash)')
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--schedule", choices=["cosine", "linear"], default=d.schedule,
+                   help="learning rate after the warm-up: cosine to --min-lr-ratio, or linear to 0 (Speculators' default)")
+    p.add_argument("--dpace-alpha", type=float, default=d.dpace_alpha,
+                   help="dflash with --step-weights position (D-PACE): confidence smoothing constant in (0, 1]")
+    p.add_argument("--target-bits", type=int, choices=[4, 8], default=None,
+                   help="quantize the frozen target to 4 or 8 bits as it loads (mlx affine quantization): the drafter "
+                        "trains on the quantized model's features, in a fraction of the memory (default: as loaded)")
+    p.add_argument("--optimizer", choices=["adamw", "adafactor"], default=d.optimizer,
+                   help="adamw, or adafactor (factored second moments: a much smaller optimizer state)")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per optimizer step (same gradient, batch/N rows of activations at a time)")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute the drafter layers' activations in the backward pass instead of keeping them")
     p.add_argument("--tap-cache-mb", type=float, default=0.0,
                    help="eagle3 / dflash: keep the target's hidden states and layer taps of up to this many MiB of "
                         "examples in memory, so later epochs skip the target forward (default: 0, off)")
@@ -797,6 +823,8 @@ def run_train(args) -> int:
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
         kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb,
+        schedule=args.schedule, dpace_alpha=args.dpace_alpha, target_bits=args.target_bits, optimizer=args.optimizer,
+        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
     )
     summary = train(args.target, dc, args.data, args.out, config=cfg)
     if world().main:  # (under mlx.launch every rank runs this; one line is enough)

@@ -31,8 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-__all__ = ["check_config", "make_optimizer", "quantize_target", "checkpoint_layers", "peak", "micro_slices",
-           "tree_bytes"]
+__all__ = ["check_config", "make_optimizer", "quantize_target", "quantized_from_path", "checkpoint_layers", "peak",
+           "micro_slices", "tree_bytes"]
 
 OPTIMIZERS = ("adamw", "adafactor")
 
@@ -61,31 +61,61 @@ def make_optimizer(cfg, schedule):
     return optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay, bias_correction=True)
 
 
-def quantize_target(target, bits: int, group_size: int = 64):
-    """Quantize ``target``'s weights in place (affine, ``bits`` bits, groups of
-    ``group_size`` columns, a smaller power of two where a width needs it).
+def quantize_target(target, bits: int, group_size: int = 64) -> int:
+    """Quantize a loaded target adapter's weights in place (affine, ``bits``
+    bits, groups of ``group_size`` columns, 32 where a width needs it).
     Returns the number of quantized layers."""
-    n = 0
-
-    def pick(module) -> int | None:
-        w = getattr(module, "weight", None)
-        if w is None or w.ndim != 2:
-            return None
-        for g in (group_size, 32):
-            if w.shape[-1] % g == 0:
-                return g
-        return None
-
-    for g in sorted({group_size, 32}, reverse=True):
-        def pred(path, m, g=g):
-            return hasattr(m, "to_quantized") and not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) \
-                and pick(m) == g
-
-        before = _count_quantized(target.model)
-        nn.quantize(target.model, group_size=g, bits=bits, class_predicate=pred)
-        n += _count_quantized(target.model) - before
+    n = _quantize_model(target.model, bits, group_size)
     mx.eval(target.model.parameters())
     target.config = dict(target.config, quantization={"group_size": group_size, "bits": bits})
+    return n
+
+
+def quantized_from_path(cls, path, config: dict, bits: int, group_size: int = 64):
+    """``cls.from_path`` with the weights quantized as they load: mlx-lm loads
+    them lazily, the quantized layers are built from the lazy weights and
+    evaluated a few arrays at a time, so the full-precision checkpoint is never
+    in memory at once.  Unquantized parameters (norms, scales) are float32."""
+    import mlx_lm.utils as lm_utils
+    from mlx.utils import tree_flatten
+
+    real = lm_utils.load_model
+
+    def load_model(model_path, *args, **kwargs):
+        kwargs["lazy"] = True
+        model, cfg = real(model_path, *args, **kwargs)
+        _quantize_model(model, bits, group_size)
+        model.set_dtype(mx.float32)  # floating parameters only: quantized weights stay packed
+        arrays = [v for _, v in tree_flatten(model.parameters())]
+        for i in range(0, len(arrays), 8):
+            mx.eval(arrays[i:i + 8])
+        return model, cfg
+
+    lm_utils.load_model = load_model
+    try:
+        target = cls.from_path(path, config, dtype=None)
+    finally:
+        lm_utils.load_model = real
+    target.config = dict(target.config, quantization={"group_size": group_size, "bits": bits})
+    return target
+
+
+def _quantize_model(model, bits: int, group_size: int) -> int:
+    """Quantize every layer that can be (``to_quantized``, not yet quantized)
+    whose input width is a multiple of ``group_size`` (else of 32)."""
+    n = 0
+    for g in (group_size, 32):
+        def pred(path, m, g=g):
+            w = getattr(m, "weight", None)
+            if not hasattr(m, "to_quantized") or isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                return False
+            if w is None or w.ndim != 2 or w.shape[-1] % g:
+                return False
+            return g == 32 or w.shape[-1] % group_size == 0
+
+        before = _count_quantized(model)
+        nn.quantize(model, group_size=g, bits=bits, class_predicate=pred)
+        n += _count_quantized(model) - before
     return n
 
 
@@ -140,8 +170,11 @@ def micro_slices(rows: slice, n: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def peak() -> dict:
-    """``{"mlx_peak_gb", "rss_peak_gb"}`` so far in this process."""
+def peak(mlx_bytes: int | None = None) -> dict:
+    """``{"mlx_peak_gb", "rss_peak_gb", "mlx_peak_bytes"}``: MLX's peak
+    allocation (``mlx_bytes``, default ``mx.get_peak_memory()``) and the
+    process's peak resident set so far."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = rss if sys.platform == "darwin" else rss * 1024
-    return {"mlx_peak_gb": round(mx.get_peak_memory() / 2**30, 4), "rss_peak_gb": round(rss_bytes / 2**30, 4)}
+    b = int(mx.get_peak_memory() if mlx_bytes is None else mlx_bytes)
+    return {"mlx_peak_gb": round(b / 2**30, 4), "rss_peak_gb": round(rss_bytes / 2**30, 4), "mlx_peak_bytes": b}
