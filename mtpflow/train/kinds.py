@@ -17,22 +17,32 @@ step ``j`` embeds ``x_{t+1+j}``, takes the drafter's own state of step
 ``j - 1`` (``h0 = fc(g)`` at step 0), attends to the step-0 keys of rows
 ``<= t`` and to its own keys of steps ``1..j`` only, and predicts
 ``x_{t+2+j}`` over the draft vocabulary.  Labels: the target's distribution
-restricted to the draft vocabulary (``soft``, KL) or its argmax (``hard``).
-:func:`ttt_logits` is exactly speculators' multi-step forward (tested against
-its outputs).  The draft vocabulary is the data's most frequent tokens; the
-head starts as the target's LM-head rows of it, the final norm as the
-target's.
+at position ``t+1+j`` restricted to the draft vocabulary (``soft``, KL) or its
+argmax (``hard``); a term counts when that position is a loss token of the row
+(Speculators' ``shift_batch`` + ``align_for_step``: the last token's
+distribution included).  The loss is ``sum_j decay**j * mean_j`` (Speculators'
+``ttt_step_loss_decay``, not normalised).  :func:`ttt_logits` is exactly
+speculators' multi-step forward (tested against its outputs).  The draft
+vocabulary is the data's most frequent tokens; the head is the target's
+LM-head rows of it and stays frozen, as in Speculators (drafter option
+``train_lm_head`` trains it), the final norm starts as the target's.
 
-**DFlash**: per sequence ``--anchors`` random positions ``a`` inside the
-loss region; the block ``[x_a, mask x (B-1)]`` at positions ``a .. a+B-1``
-sees the context features of positions ``< a`` through each layer's own
-inference mask, and block row ``k`` predicts ``x_{a+k}`` through the
-target's LM head; the loss over rows ``1..B-1`` is weighted ``exp(-(k-1)/γ)``
-(``--step-weights geometric`` with ``decay = exp(-1/γ)``), or by **D-PACE**
-(``--step-weights position``): weights from the detached per-position
-confidence ``exp(-CE)``, smoothed over steps, as suffix sums of prefix
-products (``dE[accepted]/dc_k``), so the loss follows the expected accepted
-length.  Embedding and LM head are the target's and stay frozen.
+**DFlash**: per sequence ``--anchors`` distinct random loss positions ``a``
+(a row with fewer leaves the rest invalid, as Speculators' ``select_anchors``);
+the block ``[x_a, mask x (B-1)]`` at positions ``a .. a+B-1`` sees the context
+features of positions ``< a`` through each layer's own inference mask, and
+block row ``k`` predicts ``x_{a+k}`` through the target's LM head (label: the
+target at ``a+k-1``; a term when ``a+k`` is a loss token).  Each term is
+weighted ``exp(-(k-1)/γ)`` (``--step-weights geometric`` with ``decay =
+exp(-1/γ)``) or by **D-PACE** (``--step-weights position``, Speculators'
+``dpace_loss_decay``): per block, from the detached confidence ``exp(-loss)``
+smoothed by ``--dpace-alpha``, suffix sums of prefix products
+(:func:`dpace_weights`); the loss is the weighted sum over the number of terms.
+Embedding and LM head are the target's and stay frozen.
+
+Both are checked against Speculators 0.9.0's own training step -- loss,
+gradients and AdamW updates over several steps -- in
+``tests/test_train_parity.py``.
 """
 
 from __future__ import annotations
