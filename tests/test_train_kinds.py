@@ -82,12 +82,22 @@ def test_training_lowers_the_loss_resumes_and_loads(kind, tmp_path):
 
 
 def test_dflash_dpace_weights_follow_the_confidence(tmp_path):
+    """D-PACE (Speculators' dpace_loss_decay): per block, detached, from the
+    smoothed confidence s = (1 - a) exp(-loss) + a; row k weighs the suffix
+    sum of prefix products from k on; masked rows weigh nothing.  (Exact
+    agreement with Speculators' training step: tests/test_train_parity.py.)"""
+    from mtpflow.train.kinds import dpace_weights
+
+    ln2 = float(np.log(2.0))
+    per = mx.array([[[0.0, ln2, 5.0, ln2]]])
+    vf = mx.array([[[1.0, 1.0, 0.0, 1.0]]])
+    # s = [1, 0.75, 1 (masked), 0.75]; prefix = [1, 0.75, 0.75, 0.5625]; suffix sums of prefix * mask
+    assert np.allclose(np.array(dpace_weights(per, vf, 0.5))[0, 0], [2.3125, 1.3125, 0.0, 0.5625])
     tgt, opts, _ = KINDS["dflash"]
     train(tgt, opts, "selfgen:16:40", tmp_path / "d", batch_size=8, steps=6, warmup=1, progress=False, kind="dflash",
-          anchors=4, step_weights="position", checkpoint_every=6)
+          anchors=4, step_weights="position", targets="hard", checkpoint_every=6)
     log = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
-    # D-PACE feeds the detached confidence exp(-CE) (a soft score in (0, 1)), not argmax hits
-    assert all(0.0 < a < 1.0 for a in log[-1]["acc"])
+    assert len(log) == 6 and all(np.isfinite(r["loss"]) for r in log) and log[-1]["loss"] < log[0]["loss"]
 
 
 def _count_target_forwards(monkeypatch):

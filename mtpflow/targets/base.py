@@ -219,8 +219,9 @@ class TargetAdapter:
         head = self.lm_head_module
         if head is None:
             return self.inner.embed_tokens(ids)
-        if "scales" in head:
-            raise ValueError("a draft vocabulary needs an unquantized LM head on an untied target")
+        if "scales" in head:  # a quantized head: its rows, dequantized
+            biases = head["biases"][ids] if "biases" in head else None
+            return mx.dequantize(head.weight[ids], head.scales[ids], biases, group_size=head.group_size, bits=head.bits)
         return head.weight[ids]
 
     def final_norm(self, x: mx.array) -> mx.array:

@@ -17,22 +17,32 @@ step ``j`` embeds ``x_{t+1+j}``, takes the drafter's own state of step
 ``j - 1`` (``h0 = fc(g)`` at step 0), attends to the step-0 keys of rows
 ``<= t`` and to its own keys of steps ``1..j`` only, and predicts
 ``x_{t+2+j}`` over the draft vocabulary.  Labels: the target's distribution
-restricted to the draft vocabulary (``soft``, KL) or its argmax (``hard``).
-:func:`ttt_logits` is exactly speculators' multi-step forward (tested against
-its outputs).  The draft vocabulary is the data's most frequent tokens; the
-head starts as the target's LM-head rows of it, the final norm as the
-target's.
+at position ``t+1+j`` restricted to the draft vocabulary (``soft``, KL) or its
+argmax (``hard``); a term counts when that position is a loss token of the row
+(Speculators' ``shift_batch`` + ``align_for_step``: the last token's
+distribution included).  The loss is ``sum_j decay**j * mean_j`` (Speculators'
+``ttt_step_loss_decay``, not normalised).  :func:`ttt_logits` is exactly
+speculators' multi-step forward (tested against its outputs).  The draft
+vocabulary is the data's most frequent tokens; the head is the target's
+LM-head rows of it and stays frozen, as in Speculators (drafter option
+``train_lm_head`` trains it), the final norm starts as the target's.
 
-**DFlash**: per sequence ``--anchors`` random positions ``a`` inside the
-loss region; the block ``[x_a, mask x (B-1)]`` at positions ``a .. a+B-1``
-sees the context features of positions ``< a`` through each layer's own
-inference mask, and block row ``k`` predicts ``x_{a+k}`` through the
-target's LM head; the loss over rows ``1..B-1`` is weighted ``exp(-(k-1)/γ)``
-(``--step-weights geometric`` with ``decay = exp(-1/γ)``), or by **D-PACE**
-(``--step-weights position``): weights from the detached per-position
-confidence ``exp(-CE)``, smoothed over steps, as suffix sums of prefix
-products (``dE[accepted]/dc_k``), so the loss follows the expected accepted
-length.  Embedding and LM head are the target's and stay frozen.
+**DFlash**: per sequence ``--anchors`` distinct random loss positions ``a``
+(a row with fewer leaves the rest invalid, as Speculators' ``select_anchors``);
+the block ``[x_a, mask x (B-1)]`` at positions ``a .. a+B-1`` sees the context
+features of positions ``< a`` through each layer's own inference mask, and
+block row ``k`` predicts ``x_{a+k}`` through the target's LM head (label: the
+target at ``a+k-1``; a term when ``a+k`` is a loss token).  Each term is
+weighted ``exp(-(k-1)/γ)`` (``--step-weights geometric`` with ``decay =
+exp(-1/γ)``) or by **D-PACE** (``--step-weights position``, Speculators'
+``dpace_loss_decay``): per block, from the detached confidence ``exp(-loss)``
+smoothed by ``--dpace-alpha``, suffix sums of prefix products
+(:func:`dpace_weights`); the loss is the weighted sum over the number of terms.
+Embedding and LM head are the target's and stay frozen.
+
+Both are checked against Speculators 0.9.0's own training step -- loss,
+gradients and AdamW updates over several steps -- in
+``tests/test_train_parity.py``.
 """
 
 from __future__ import annotations
@@ -172,8 +182,10 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
     for j, logits in enumerate(ttt_logits(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)):
         logp = logits.astype(mx.float32)
         logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-        lab = _shift(lab_all, 1 + j)  # the target's distribution of x_{t+2+j}
-        valid = (tpos + 2 + j < lens[:, None]) & _shift(lmask, 2 + j)
+        lab = _shift(lab_all, 1 + j)  # the target's distribution of x_{t+2+j}, at position t+1+j
+        # Speculators' rule (shift_batch + align_for_step): the term counts when the position whose distribution
+        # is the label is a loss token of the row -- the last token's distribution (past the row's end) included
+        valid = (tpos + 1 + j < lens[:, None]) & _shift(lmask, 1 + j)
         vf = valid.astype(mx.float32)
         tgt = mx.argmax(lab, axis=-1)
         if targets == "soft":
@@ -195,34 +207,57 @@ class Eagle3Trainer:
         from .loop import choose_draft_vocab
 
         opts = dict(options or {})
+        opts_train_head = bool(opts.pop("train_lm_head", False))
         k = int(opts.pop("draft_vocab_size", min(8192, target.vocab_size)))
         ids = choose_draft_vocab(examples, target.vocab_size, k, sorted(target.eos_ids))
         self.cfg = new_config(target, draft_vocab_size=k, **opts)
         m = Eagle3Model(self.cfg, has_embed=False, has_t2d=True)
-        m.d2t = mx.array(ids - np.arange(k), dtype=mx.int32)
-        mask = np.zeros(target.vocab_size, bool)
-        mask[ids] = True
-        m.t2d = mx.array(mask)
-        m.lm_head.weight = target.output_rows(mx.array(ids)).astype(mx.float32)  # start as the target's head
+        self.model, self.target = m, target
+        self.set_draft_vocab(ids)
+        if not opts_train_head:
+            m.lm_head.freeze()  # Speculators keeps the verifier's rows frozen (DraftVocabMixin)
         norm = getattr(target.inner, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == m.norm.weight.shape:
             m.norm.weight = norm.weight.astype(mx.float32)
         mx.eval(m.parameters())
-        self.model, self.target, self.ids = m, target, mx.array(ids)
         self.steps, self.targets = cfg.unroll, cfg.targets
+        self.step_weights, self.decay = cfg.step_weights, cfg.decay
         import attrs
 
         self.config_id = {"kind": "eagle3", "config": json.loads(json.dumps(attrs.asdict(self.cfg), default=str)),
                           "draft_vocab": int(k)}
         self.states = TargetStates(target, self.cfg.aux_layer_ids, cfg.tap_cache_mb)
 
+    def set_draft_vocab(self, ids) -> None:
+        """The draft vocabulary ``ids`` (sorted target ids): ``d2t`` offsets,
+        the ``t2d`` mask, and the head as the target's rows of it."""
+        ids = np.asarray(ids)
+        m, target = self.model, self.target
+        m.d2t = mx.array(ids - np.arange(len(ids)), dtype=mx.int32)
+        mask = np.zeros(target.vocab_size, bool)
+        mask[ids] = True
+        m.t2d = mx.array(mask)
+        m.lm_head.weight = target.output_rows(mx.array(ids)).astype(mx.float32)  # start as the target's head
+        self.ids = mx.array(ids)
+        self.head_rows = _sg(m.lm_head.weight)  # the target's head over the draft vocabulary (labels)
+
     def embed(self, tokens):
         return self.target.inner.embed_tokens(tokens)
 
     def batch(self, toks, lmask, lens, idx=None):
         hidden, g = self.states(toks, lens, idx)
-        labels = _sg(self.target.logits(hidden)[..., self.ids])
+        # the target's head over the draft vocabulary only (K rows, not the full vocabulary, then a slice)
+        labels = _sg(self.target.softcapped(mx.matmul(hidden.astype(mx.float32), self.head_rows.T)))
         return (g, labels, toks, lmask, lens)
+
+    def weights(self, acc_ema):
+        """Speculators' ``ttt_step_loss_decay ** j`` per TTT step, not normalised
+        (``--step-weights position``: mtpflow's normalised dE[tau]/da_j)."""
+        from .loop import step_weights
+
+        if self.step_weights == "position":
+            return step_weights("position", self.steps, self.decay, acc_ema)
+        return (self.decay ** np.arange(self.steps)).astype(np.float32)
 
     def loss(self, model, g, labels, toks, lmask, lens):
         return eagle3_loss_terms(model, self.embed, g, labels, toks, lmask, lens, self.steps, self.targets)
@@ -289,12 +324,28 @@ def dflash_block_logits(model, target, feats, toks, anchors, mask_id: int):
     return target.logits(hidden)
 
 
+def dpace_weights(per, vf, alpha: float):
+    """D-PACE position weights of Speculators (``losses.utils.dpace_loss_decay``),
+    per block, detached: with the confidence ``q_k = exp(-loss_k)`` smoothed to
+    ``s_k = (1 - alpha) q_k + alpha`` (1 where masked), ``w_k = m_k *
+    sum_{j >= k} m_j prod_{i <= j} s_i`` -- how much of the block's expected
+    accepted length rides on row ``k``.  ``per``, ``vf``: ``[..., Bs-1]``."""
+    q = mx.exp(-_sg(per * vf))
+    smooth = mx.where(vf > 0, (1.0 - alpha) * q + alpha, 1.0)
+    prefix = mx.cumprod(smooth, axis=-1)
+    suffix = mx.cumsum((prefix * vf)[..., ::-1], axis=-1)[..., ::-1]
+    return _sg(suffix * vf)
+
+
 def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, mask_id: int, targets: str,
-                      dpace: bool):
-    """Unnormalised terms over block rows ``1..Bs-1``: ``(per_row_loss_sum,
-    per_row_correct, per_row_count)``; ``correct`` counts the argmax hits, or
-    with D-PACE sums the detached confidence ``exp(-CE)`` (its running mean
-    makes the position weights)."""
+                      weighting: str = "geometric", decay: float = math.exp(-0.25), alpha: float = 0.5):
+    """Speculators' DFlash loss terms over block rows ``1..Bs-1``:
+    ``(per_row_weighted_loss_sum, per_row_correct, per_row_count)``.  Each term
+    is the row's loss (``hard``: cross-entropy on the target's argmax, Speculators'
+    default ``ce``; ``soft``: KL) times its weight -- ``decay**(k-1)``
+    (``exp(-(k-1)/gamma)``, ``weighting="geometric"``) or :func:`dpace_weights`
+    (``"dpace"``); :meth:`DFlashTrainer.reduce` divides their sum by the count of
+    all terms, as Speculators' ``loss_function`` does."""
     logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, Bs-1, V]
     Bs1 = logp.shape[2]
@@ -313,13 +364,13 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     else:
         per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
-    n = _sg(vf.sum(axis=(0, 1)))
-    sums = (per * vf).sum(axis=(0, 1))
-    if dpace:
-        ce = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
-        correct = (_sg(mx.exp(-ce)) * vf).sum(axis=(0, 1))
+    if weighting == "dpace":
+        w = dpace_weights(per, vf, alpha)
     else:
-        correct = _sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
+        w = (decay ** mx.arange(Bs1, dtype=mx.float32))[None, None]
+    n = _sg(vf.sum(axis=(0, 1)))
+    sums = (per * vf * w).sum(axis=(0, 1))
+    correct = _sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
     return sums, correct, n
 
 
@@ -363,7 +414,8 @@ class DFlashTrainer:
         self.target = target
         self.anchors = cfg.anchors
         self.targets = cfg.targets
-        self.dpace = cfg.step_weights == "position"
+        self.weighting = "dpace" if cfg.step_weights == "position" else "geometric"
+        self.decay, self.alpha = cfg.decay, cfg.dpace_alpha
         self.seed = cfg.seed
         self.config_id = {"kind": "dflash", "config": self.hf_config}
         self.states = TargetStates(target, self.cfg.taps, cfg.tap_cache_mb)
@@ -377,7 +429,16 @@ class DFlashTrainer:
 
     def loss(self, model, feats, labels, toks, anchors, valid):
         return dflash_loss_terms(model, self.target, feats, labels, toks, anchors, valid, self.cfg.mask_token_id,
-                                 self.targets, self.dpace)
+                                 self.targets, self.weighting, self.decay, self.alpha)
+
+    def weights(self, acc_ema):
+        """The position weights are inside the terms (:func:`dflash_loss_terms`)."""
+        return np.ones(self.cfg.block_size - 1, np.float32)
+
+    @staticmethod
+    def reduce(sums, counts, weights):
+        """Speculators' reduction: all weighted terms over the count of all terms."""
+        return (weights * sums).sum() / mx.maximum(counts.sum(), 1.0), sums / mx.maximum(counts, 1.0)
 
     def save(self, out, dtype=None):
         from mlx.utils import tree_flatten
@@ -420,27 +481,46 @@ def _unused_token(examples, vocab: int) -> int:
 
 
 def _anchors(lmask, lens, k: int, block: int, seed: int, step: int, row0: int = 0):
-    """``k`` random anchors per row inside its loss region and, per block row
-    ``1..block-1``, whether its label is a loss token inside the row.  Row
-    ``b`` is row ``row0 + b`` of the global batch, whose anchors are a function
-    of ``(seed, step, row)`` alone (the same on any number of ranks)."""
+    """``k`` random anchors per row and, per block row ``1..block-1``, whether
+    it is a loss term.  Row ``b`` is row ``row0 + b`` of the global batch,
+    whose anchors are a function of ``(seed, step, row)`` alone (the same on
+    any number of ranks).  See :func:`_sample_anchors` and :func:`_anchor_valid`."""
+    anchors, ok = _sample_anchors(lmask, lens, k, seed, step, row0)
+    return anchors, _anchor_valid(lmask, lens, anchors, ok, block)
+
+
+def _sample_anchors(lmask, lens, k: int, seed: int, step: int, row0: int = 0):
+    """Speculators' ``select_anchors`` per row: ``k`` distinct loss positions
+    (those followed by a token of the row), sorted; a row with fewer has
+    invalid anchors left (``ok`` False)."""
     B, T = lmask.shape
     anchors = np.zeros((B, k), np.int32)
-    valid = np.zeros((B, k, block - 1), bool)
+    ok = np.zeros((B, k), bool)
     for b in range(B):
         rng = np.random.default_rng([seed, step, 7, row0 + b])
-        loss_pos = np.nonzero(lmask[b, : lens[b]])[0]
-        cand = np.unique(np.clip(loss_pos - 1, 0, None))
+        cand = np.nonzero(lmask[b, : lens[b]])[0]
         cand = cand[cand + 1 < lens[b]]
-        if len(cand) == 0:
-            continue
-        a = rng.choice(cand, size=k, replace=len(cand) < k)
-        anchors[b] = a
-        for i, ai in enumerate(a):
+        n = min(k, len(cand))
+        if n:
+            anchors[b, :n] = np.sort(rng.choice(cand, size=n, replace=False))
+            ok[b, :n] = True
+    return anchors, ok
+
+
+def _anchor_valid(lmask, lens, anchors, ok, block: int):
+    """Block row ``r`` of anchor ``a`` is a loss term when ``a + r`` is a loss
+    token inside the row (Speculators' ``loss_mask[anchored_block_indices]``) and
+    the anchor is valid."""
+    B, k = anchors.shape
+    valid = np.zeros((B, k, block - 1), bool)
+    for b in range(B):
+        for i in range(k):
+            if not ok[b, i]:
+                continue
             for r in range(1, block):
-                p = ai + r
+                p = int(anchors[b, i]) + r
                 valid[b, i, r - 1] = p < lens[b] and bool(lmask[b, p])
-    return anchors, valid
+    return valid
 
 
 # --------------------------------------------------------------------------------------
@@ -479,7 +559,9 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
 
     step, acc_ema, tokens_seen, last, elapsed, speed = optimize(trainer.model, trainer.loss, make_batch, cfg, out,
                                                                 trainer.config_id, n_loss,
-                                                                data_id=data_mod.fingerprint(examples), ranks=ranks)
+                                                                data_id=data_mod.fingerprint(examples), ranks=ranks,
+                                                                weights=trainer.weights,
+                                                                reduce=getattr(trainer, "reduce", None))
     if ranks.main:
         trainer.save(out, dtype=cfg.save_dtype)
     summary = {

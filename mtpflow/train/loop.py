@@ -48,6 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_map
 
 from ..drafters.gemma4_assistant.masks import drafter_mask
 from ..drafters.mtpflow_assistant.config import make_config, check_compatible
@@ -103,6 +104,19 @@ class TrainConfig:
     #: eagle3 / dflash: keep the target's states of up to this many MiB of examples in
     #: memory, so a batch of kept examples skips the target forward (0 = off)
     tap_cache_mb: float = 0.0
+    #: learning-rate schedule after the warm-up: "cosine" (to ``min_lr_ratio``) or "linear"
+    #: (to 0, Hugging Face's get_linear_schedule_with_warmup, Speculators' default)
+    schedule: str = "cosine"
+    #: dflash D-PACE: confidence smoothing ``(1 - a) * exp(-loss) + a`` (Speculators' dpace_alpha)
+    dpace_alpha: float = 0.5
+    #: memory budget (mtpflow.train.memory): "adamw" or "adafactor" (factored second moments)
+    optimizer: str = "adamw"
+    #: micro-batches per optimizer step (the gradient of the whole batch, in batch/N rows at a time)
+    grad_accum: int = 1
+    #: recompute the drafter layers' activations in the backward pass (mx.checkpoint)
+    grad_checkpoint: bool = False
+    #: quantize the frozen target to 4 or 8 bits before training (None: as loaded)
+    target_bits: int | None = None
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -119,6 +133,9 @@ class TrainConfig:
             raise ValueError("--init-from warm-starts assistant drafters only")
         if self.tap_cache_mb < 0:
             raise ValueError(f"tap_cache_mb must be >= 0 (got {self.tap_cache_mb})")
+        from .memory import check_config
+
+        check_config(self)
         if self.tap_cache_mb and self.kind == "assistant":
             raise ValueError("--tap-cache-mb is for --kind eagle3 / dflash; the assistant kind caches its features "
                              "with cache: data (e.g. --data cache:sharegpt:2000)")
@@ -332,6 +349,9 @@ def identity_init(model: GenericAssistantModel, damp: float = 0.1) -> bool:
 # ------------------------------------------------------------------------------ helpers
 def _schedule(cfg: TrainConfig):
     decay_steps = max(1, cfg.steps - cfg.warmup)
+    if cfg.schedule == "linear":  # lr * max(0, (steps - s) / (steps - warmup)) after a linear warm-up from 0
+        return lambda s: cfg.lr * mx.where(s < cfg.warmup, s / max(1, cfg.warmup),
+                                           mx.maximum(0.0, (cfg.steps - s) / decay_steps))
     cos = optim.cosine_decay(cfg.lr, decay_steps, cfg.lr * cfg.min_lr_ratio)
     if cfg.warmup <= 0:
         return cos
@@ -339,8 +359,14 @@ def _schedule(cfg: TrainConfig):
     return optim.join_schedules([warm, cos], [cfg.warmup])
 
 
-def _load_target(target):
+def _load_target(target, bits: int | None = None):
+    """A target adapter (float32); ``bits``: quantized to 4 / 8 bits while it
+    loads (:func:`mtpflow.train.memory.quantized_from_path`)."""
     if not isinstance(target, (str, Path)):
+        if bits:
+            from .memory import quantize_target
+
+            quantize_target(target, bits)
         return target
     from ..engine import resolve_model
     from ..plugins import get_plugins
@@ -349,6 +375,10 @@ def _load_target(target):
     path = resolve_model(str(target))
     cfg = read_config(path)
     cls = get_plugins().targets.get(cfg.get("model_type"))
+    if bits:
+        from .memory import quantized_from_path
+
+        return quantized_from_path(cls, path, cfg, bits)
     return cls.from_path(path, cfg, dtype="float32")
 
 
@@ -461,7 +491,7 @@ def _catch_stop_signals(signalled: list):
 
 
 def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id, n_steps_loss: int,
-             data_id: str | None = None, ranks: Ranks | None = None, fixed_weights=None):
+             data_id: str | None = None, ranks: Ranks | None = None, weights=None, reduce=None, on_grads=None):
     """AdamW over ``model``'s trainable parameters until ``cfg.steps``
     (``max_time_s`` / ``stop_at`` stop it early, checkpointed): resumes from
     ``out/checkpoint``, logs every step to ``out/train_log.jsonl``, shows a
@@ -480,17 +510,31 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     what the checkpoint must have been written for.  Returns ``(step,
     acc_ema, tokens_seen, last_log, elapsed_s, speed)``; ``speed``: this
     sitting's training tokens per second, over all ranks and per device
-    (:func:`mtpflow.train.parallel.throughput`).  ``fixed_weights``: per-step
-    loss weights that replace ``cfg.step_weights`` (the MTP kind's ``depth_weights``).
-    SIGINT / SIGTERM stop the run after the step it is in: that step is
-    checkpointed, then :class:`TrainingInterrupted` is raised."""
+    (:func:`mtpflow.train.parallel.throughput`), with ``flops`` (the step's
+    FLOPs against the machine's measured matmul rate,
+    :mod:`mtpflow.train.flops`) and ``peak_memory``
+    (:func:`mtpflow.train.memory.peak`).
+
+    A kind may replace the step weights (``weights(acc_ema) -> [S]``) and the
+    reduction (``reduce(sums, counts, weights) -> (loss, per_step)``, default
+    :func:`weighted_loss`); ``on_grads(step, grads)`` sees each step's
+    gradients before clipping.  ``cfg.grad_accum`` micro-batches make one
+    step (:mod:`mtpflow.train.memory`).  SIGINT / SIGTERM stop the run after
+    the step it is in: that step is checkpointed, then
+    :class:`TrainingInterrupted` is raised."""
+    from .flops import Throughput, count_matmuls, matmul_rate
+    from .memory import checkpoint_layers, make_optimizer, micro_slices, peak
+
     ranks = ranks or world()
     rows = ranks.rows(cfg.batch_size)
     if data_id is not None:
         ranks.check_same(data_id, "the training data",
                          "every rank needs the same data: put --out on a folder every machine shares, or copy "
                          "OUT/features* (and the data files) to each machine before launching")
-    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    opt = make_optimizer(cfg, _schedule(cfg))
+    if cfg.grad_checkpoint:
+        checkpoint_layers(model)
+    reduce = reduce or weighted_loss
     ckpt = out / "checkpoint"
     state = load_checkpoint(ckpt, model, opt, config_id) if ranks.main else None
     if ranks.size > 1:  # every rank starts from rank 0's weights, optimiser state and step
@@ -509,11 +553,13 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     if ranks.main and step < cfg.steps:  # the log continues the checkpoint's history (a kill's partial line and later steps go)
         repair_log(log_path, step)
 
+    whole = {"counts": None}  # micro-batches: the term counts of the whole global batch
+
     def objective(m, *args):
         *batch, w = args
         sums, correct, counts = loss_fn(m, *batch)
-        counts = ranks.sum(mx.stop_gradient(counts))  # the global batch's terms
-        loss, per = weighted_loss(sums, counts, w)
+        counts = ranks.sum(mx.stop_gradient(counts)) if whole["counts"] is None else whole["counts"]
+        loss, per = reduce(sums, counts, w)
         # summed over ranks, the per-rank losses are the global loss: scaled by the number of ranks,
         # the averaged gradients are its gradient
         return loss * ranks.size, per, correct, counts
@@ -521,6 +567,10 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     grad_fn = nn.value_and_grad(model, objective)
     log_f = open(log_path, "a") if ranks.main else None
     bar = _Progress(cfg.steps, step, cfg.progress and ranks.main, desc=f"train [{device()['backend']}]")
+    peak_before = mx.get_peak_memory()  # (the matmul probe's buffers are not the run's)
+    flops = Throughput(matmul_rate() if bar.enabled and step < cfg.steps else None)
+    mx.reset_peak_memory()
+    micro = micro_slices(rows, cfg.grad_accum) if cfg.grad_accum > 1 else [rows]
     t0 = time.time()
     tokens_start = tokens_seen
     last = {}
@@ -550,11 +600,27 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
                 break
             if cfg.stop_at is not None and step >= cfg.stop_at:
                 break
-            args, lens_np = make_batch(step, rows)
-            n_tok = int(lens_np.sum())
-            w = mx.array(step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema) if fixed_weights is None
-                         else fixed_weights)
-            (loss, per, cor, cnt), grads = grad_fn(model, *args, w)
+            t_step = time.perf_counter()
+            with count_matmuls() as f_target:
+                batches = [make_batch(step, r) for r in micro]
+            n_tok = sum(int(b[1].sum()) for b in batches)
+            w = mx.array(weights(acc_ema) if weights is not None else
+                         step_weights(cfg.step_weights, n_steps_loss, cfg.decay, acc_ema))
+            if len(batches) > 1:  # the counts come from the masks alone: nothing else of the graph is evaluated
+                whole["counts"] = ranks.sum(sum(mx.stop_gradient(loss_fn(model, *a)[2]) for a, _ in batches))
+                mx.eval(whole["counts"])
+            with count_matmuls() as f_drafter:
+                for i, (args, _) in enumerate(batches):
+                    (l_i, p_i, c_i, cnt), g_i = grad_fn(model, *args, w)
+                    if i == 0:
+                        loss, per, cor, grads = l_i, p_i, c_i, g_i
+                    else:
+                        loss, per, cor = loss + l_i, per + p_i, cor + c_i
+                        grads = tree_map(lambda a, b: a + b, grads, g_i)
+                    if len(batches) > 1:
+                        mx.eval(grads, loss, per, cor)  # one micro-batch's activations at a time
+            if on_grads is not None:
+                on_grads(step, grads)
             if ranks.size > 1:
                 grads = nn.average_gradients(grads, group=ranks.group)
                 # this rank's part of the logged figures, summed over the ranks in one collective
@@ -565,6 +631,7 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
             opt.update(model, grads)
             mx.eval(model.parameters(), opt.state, loss, per, cor, cnt, gnorm, n_tok)
+            flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step)
             step += 1
             cnt_np, cor_np = np.array(cnt), np.array(cor)
             acc = [float(c / n) if n > 0 else 0.0 for c, n in zip(cor_np, cnt_np)]
@@ -580,8 +647,10 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
             if step % cfg.log_every == 0 or step == cfg.steps:
                 log_f.flush()
             tps = (tokens_seen - tokens_start) / max(time.time() - t0, 1e-9)
+            mem = peak(max(peak_before, mx.get_peak_memory()))
             bar.update(step, f"loss {last['loss']:.4f} acc " + "/".join(f"{a:.2f}" for a in acc_ema)
-                       + " " + rate_text(tps, ranks))
+                       + " " + rate_text(tps, ranks) + f" {flops.text()} peak {mem['mlx_peak_gb']:.2f}/"
+                       + f"{mem['rss_peak_gb']:.2f} GB")
             if step % cfg.checkpoint_every == 0 or step in (cfg.steps, cfg.stop_at):
                 checkpoint()
         if ranks.main and saved != step:  # stopped by a signal or --max-time after the last checkpoint
@@ -594,6 +663,10 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     if stopped:
         raise TrainingInterrupted(step, signalled[0] if signalled else signal.SIGINT, ckpt)
     speed = throughput(tokens_seen - tokens_start, time.time() - t0, ranks)
+    speed["peak_memory"] = peak(max(peak_before, mx.get_peak_memory()))
+    if flops.steps and flops.rate is None:
+        flops.rate = matmul_rate()  # measured after the run when no progress bar needed it before
+    speed["flops"] = flops.summary()
     return step, acc_ema, tokens_seen, last, elapsed_prev + time.time() - t0, speed
 
 
@@ -673,7 +746,8 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
     out.mkdir(parents=True, exist_ok=True)
     ranks = world()
     ranks.rows(cfg.batch_size)  # a batch the ranks cannot share is refused before any data is read
-    target = _load_target(target)
+    mx.reset_peak_memory()  # the summary's peak is this run's (target loading included)
+    target = _load_target(target, cfg.target_bits)
     if cfg.kind != "assistant":
         from .kinds import train_kind
 
@@ -780,6 +854,19 @@ def add_train_arguments(p) -> None:
                         "checkpoint), dflash (written in z-lab's format), mtp (a DeepSeek-style MTP module in the native layout); --drafter-config takes the kind's options, "
                         'e.g. {"draft_vocab_size": 8192} (eagle3) or {"block_size": 16, "num_hidden_layers": 2} (dflash)')
     p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--schedule", choices=["cosine", "linear"], default=d.schedule,
+                   help="learning rate after the warm-up: cosine to --min-lr-ratio, or linear to 0 (Speculators' default)")
+    p.add_argument("--dpace-alpha", type=float, default=d.dpace_alpha,
+                   help="dflash with --step-weights position (D-PACE): confidence smoothing constant in (0, 1]")
+    p.add_argument("--target-bits", type=int, choices=[4, 8], default=None,
+                   help="quantize the frozen target to 4 or 8 bits as it loads (mlx affine quantization): the drafter "
+                        "trains on the quantized model's features, in a fraction of the memory (default: as loaded)")
+    p.add_argument("--optimizer", choices=["adamw", "adafactor"], default=d.optimizer,
+                   help="adamw, or adafactor (factored second moments: a much smaller optimizer state)")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per optimizer step (same gradient, batch/N rows of activations at a time)")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute the drafter layers' activations in the backward pass instead of keeping them")
     p.add_argument("--tap-cache-mb", type=float, default=0.0,
                    help="eagle3 / dflash: keep the target's hidden states and layer taps of up to this many MiB of "
                         "examples in memory, so later epochs skip the target forward (default: 0, off)")
@@ -795,6 +882,8 @@ def run_train(args) -> int:
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
         kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb,
+        schedule=args.schedule, dpace_alpha=args.dpace_alpha, target_bits=args.target_bits, optimizer=args.optimizer,
+        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
     )
     try:
         summary = train(args.target, dc, args.data, args.out, config=cfg)

@@ -1,0 +1,84 @@
+"""The 16 GB recipe at tiny size: training against a quantized frozen target
+(``--target-bits``), with gradient accumulation, gradient checkpointing and a
+factored optimizer, reports its peak memory and FLOP share, and stays under a
+bound computed from the weights and the batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtpflow.train.loop import _load_target, train
+from mtpflow.train.memory import micro_slices, tree_bytes
+
+TGT = Path(__file__).parent / "fixtures" / "eagle3" / "target"
+OPTS = {"draft_vocab_size": 256}
+B, T, S = 4, 40, 3  # rows, tokens per row (selfgen:8:40), TTT steps
+COMMON = dict(kind="eagle3", steps=3, batch_size=B, max_len=T, unroll=S, warmup=0, progress=False,
+              checkpoint_every=100, lr=1e-3)
+
+
+def _run(out, **kw):
+    s = train(str(TGT), OPTS, "selfgen:8:40", out, **COMMON, **kw)
+    log = [json.loads(x) for x in (Path(out) / "train_log.jsonl").read_text().splitlines()]
+    return s, log
+
+
+def _bound(target, drafter_bytes, micro_rows):
+    """What the run may hold at its peak: the quantized target's weights; the
+    drafter's weights, gradients and (at most) two optimizer moments, plus one
+    copy in flight; and the activations of one micro-batch -- for each token the
+    target's taps and one layer's attention scores, and per TTT step the draft
+    logits, the layer's activations and its attention scores -- kept for the
+    backward pass (x2), in float32; plus 4 MiB for MLX's allocator rounding."""
+    tc = target.config
+    H, L, heads = tc["hidden_size"], tc["num_hidden_layers"], tc["num_attention_heads"]
+    K = OPTS["draft_vocab_size"]
+    per_token = (L + 1) * H + heads * T + S * (K + 8 * H + heads * T * S)
+    act = 4 * 2 * micro_rows * T * per_token
+    return tree_bytes(target.model.parameters()) + 5 * drafter_bytes + act + 4 * 2**20
+
+
+def test_quantized_target_training_stays_under_its_memory_bound(tmp_path):
+    fp = _load_target(TGT)
+    q4 = _load_target(TGT, 4)
+    w_fp, w_q = tree_bytes(fp.model.parameters()), tree_bytes(q4.model.parameters())
+    assert w_q < 0.2 * w_fp  # 4-bit weights (+ float32 norms and group scales)
+    s_fp, _ = _run(tmp_path / "fp")
+    s_q, log_q = _run(tmp_path / "q4", target_bits=4)
+    s_b, log_b = _run(tmp_path / "budget", target_bits=4, grad_accum=2, grad_checkpoint=True)
+    s_f, log_f = _run(tmp_path / "factored", target_bits=4, grad_accum=2, grad_checkpoint=True, optimizer="adafactor")
+    peaks = {k: s["train_speed"]["peak_memory"]["mlx_peak_bytes"] for k, s in
+             (("fp", s_fp), ("q4", s_q), ("budget", s_b), ("factored", s_f))}
+    for s in (s_fp, s_q, s_b, s_f):  # reported next to the FLOP share of the measured matmul rate
+        f = s["train_speed"]["flops"]
+        assert f["matmul_rate_gflops"] > 0 and f["share_of_matmul"] > 0 and f["last_step_gflop"]["target_forward"] > 0
+        assert s["train_speed"]["peak_memory"]["rss_peak_gb"] > 0
+    # the quantized target's weights saving shows in the peak
+    assert peaks["fp"] - peaks["q4"] > 0.5 * (w_fp - w_q), peaks
+    # accumulation (2 micro-batches) and checkpointing change the memory, not the numbers
+    for a, b in zip(log_q, log_b):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+    assert peaks["budget"] < peaks["q4"], peaks
+    # the factored optimizer keeps a fraction of AdamW's state, and trains
+    opt_b = (tmp_path / "budget" / "checkpoint" / "optimizer.safetensors").stat().st_size
+    opt_f = (tmp_path / "factored" / "checkpoint" / "optimizer.safetensors").stat().st_size
+    assert opt_f < 0.1 * opt_b and log_f[-1]["loss"] < log_f[0]["loss"]
+    drafter = (tmp_path / "factored" / "checkpoint" / "model.safetensors").stat().st_size
+    bound = _bound(q4, drafter, B // 2)
+    assert peaks["factored"] <= bound, (peaks, bound)
+
+
+def test_budget_settings_are_checked():
+    with pytest.raises(ValueError, match="adafactor"):
+        train(str(TGT), OPTS, "selfgen:8:40", "/nonexistent", optimizer="adam8bit", **COMMON)
+    with pytest.raises(ValueError, match="4 or 8"):
+        train(str(TGT), OPTS, "selfgen:8:40", "/nonexistent", target_bits=3, **COMMON)
+    with pytest.raises(ValueError, match="at most 4"):
+        micro_slices(slice(0, 4), 5)
+    assert micro_slices(slice(2, 7), 2) == [slice(2, 4), slice(4, 7)]
