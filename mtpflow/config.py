@@ -409,6 +409,7 @@ TRAIN_OPTIONS = {
     "assistant": "mtpflow.drafters.mtpflow_assistant.config:TrainOptions",
     "eagle3": "mtpflow.drafters.eagle3.config:TrainOptions",
     "dflash": "mtpflow.drafters.dflash.config:TrainOptions",
+    "mtp": "mtpflow.drafters.native_mtp.config:TrainOptions",
 }
 
 

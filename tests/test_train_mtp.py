@@ -87,7 +87,7 @@ def _head_logits(head, target, toks):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp") / "a"
-    common = dict(batch_size=8, lr=3e-3, warmup=4, checkpoint_every=100, progress=False, kind="mtp", targets="hard",
+    common = dict(batch_size=8, lr=1e-2, warmup=4, checkpoint_every=100, progress=False, kind="mtp", targets="hard",
                   steps=16, max_len=96)
     train(TGT, {"depth": 2, "depth_weights": [1.0, 0.5]}, "selfgen:32:40", out, **common)
     return out, common

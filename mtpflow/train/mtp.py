@@ -307,7 +307,7 @@ def train_mtp(target, drafter_options, data_spec, out: Path, cfg, examples=None,
 
     step, acc_ema, tokens_seen, last, elapsed, speed = optimize(
         trainer.model, trainer.loss, make_batch, cfg, out, trainer.config_id, trainer.depth,
-        data_id=data_mod.fingerprint(examples), ranks=ranks, weights=lambda acc_ema: trainer.weights)
+        data_id=data_mod.fingerprint(examples), ranks=ranks, weights=None if trainer.weights is None else (lambda acc_ema: trainer.weights))
     if ranks.main:
         trainer.save(out, dtype=cfg.save_dtype)
     summary = {

@@ -87,3 +87,18 @@ def check_head(config: dict, path: Path, target_config: dict | None = None, what
             "with --draft-model"
         )
     return fam, D, {files[k] for k in names}, names
+
+
+def _depth_weights(inst, attribute, value):
+    if value is not None and (len(value) != inst.depth or any(w < 0 for w in value) or sum(value) <= 0):
+        raise ValueError(f"must be {inst.depth} non-negative weights, one per depth, not all zero")
+
+
+@frozen(kw_only=True)
+class TrainOptions:
+    """``mtpflow train --kind mtp --drafter-config`` options (see :mod:`mtpflow.train.mtp`)."""
+
+    depth: int = field(default=1, validator=validators.ge(1))
+    depth_weights: list[float] | None = field(default=None, validator=_depth_weights)
+    init: str = field(default="last_layer", validator=validators.in_(("last_layer", "random")))
+    from_target: bool = False
