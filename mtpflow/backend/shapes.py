@@ -13,6 +13,12 @@ whose verifies take every length from 2 to 17 pays a compile for each.  With
   reads the cache;
 * the hidden states, taps and logits are cut back to the ``L`` real tokens.
 
+A tree verify of ``N`` nodes runs as ``bucket(N)`` nodes the same way: the
+padding nodes come after the real ones, sit at the root's position and see
+the cache and themselves only; no real node sees them (``visible`` is
+``False`` in their columns), so the real nodes' outputs are the unpadded
+ones, and their slots are trimmed before acceptance reads the cache.
+
 ``tests/test_shapes.py`` checks the real tokens' logits against an unpadded
 verify and counts the distinct verify shapes of a run.
 """
@@ -32,7 +38,7 @@ def bucket(n: int) -> int:
 
 
 def verify_length(mode: str, n: int, cache) -> int:
-    """The length a chain verify of ``n`` tokens runs at: ``bucket(n)`` when
+    """The length a chain (or tree) verify of ``n`` tokens runs at: ``bucket(n)`` when
     ``mode`` (``[generation] bucket_shapes``) is on for this device and every
     cache layer can drop the padding again (position-tracked KV slots; a
     recurrent state would have absorbed it), else ``n``."""
@@ -64,4 +70,28 @@ def bucketed_forward(target, tokens, cache, layers=(), submit: bool = False, mod
         return hidden, taps
     for c in cache:  # the padding's slots are the last ones
         c.trim(padded - n)
+    return hidden[:, :n], {t: v[:, :n] for t, v in taps.items()}
+
+
+def bucketed_tree_forward(target, tokens, cache, positions, visible, layers=(), submit: bool = False,
+                          mode: str = "auto", pad_id: int = 0):
+    """``target.forward_tree(tokens, cache, positions, visible, layers)`` over
+    ``tokens [B, N]`` padded to :func:`verify_length` nodes: each padding node
+    sits at the root's position and sees the cache and itself only, no real
+    node sees it, its slot is trimmed and its outputs cut off."""
+    import mlx.core as mx
+
+    n = tokens.shape[1]
+    padded = verify_length(mode, n, cache)
+    if padded == n or visible.shape[-1] != n:  # a tree grown over earlier slots runs as it is
+        return target.forward_tree(tokens, cache, positions, visible, layers, submit=submit)
+    extra = padded - n
+    tokens = mx.pad(tokens, ((0, 0), (0, extra)), constant_values=pad_id)
+    positions = mx.concatenate([positions, mx.repeat(positions[:, :1], extra, axis=1)], axis=1)
+    own = mx.arange(padded)[:, None] == mx.arange(padded)[None, :]  # [P, P]
+    own = own & (mx.arange(padded) >= n)[:, None]
+    visible = mx.pad(visible, ((0, 0), (0, extra), (0, extra)), constant_values=False) | own[None]
+    hidden, taps = target.forward_tree(tokens, cache, positions, visible, layers, submit=submit)
+    for c in cache:  # the padding's slots are the last ones
+        c.trim(extra)
     return hidden[:, :n], {t: v[:, :n] for t, v in taps.items()}
