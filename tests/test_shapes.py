@@ -94,6 +94,7 @@ def test_a_bucketed_run_compiles_a_handful_of_verify_shapes(mode):
     lengths = {L for _, L in seen if L > 1}
     if mode == "on":
         assert lengths == {2, 4, 8}, lengths
+        assert 4 in {B for B, _ in seen} <= {1, 2, 4}, sorted(set(seen))  # 3 rows run as 4
         assert len(set(seen)) <= 9, sorted(set(seen))  # (rows) x (lengths): what a GPU compiles for
     else:
         assert lengths == blocks  # one verify shape per block size
@@ -169,10 +170,52 @@ def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
     lengths = {L for _, L in seen}
     assert 16 in lengths and lengths <= set(BUCKETS), sorted(set(seen))  # 11-node trees run as 16 (chains near the budget)
     rows = {B for B, _ in seen}
-    assert len(rows) > 1  # rows joined and left
+    assert 4 in rows and rows <= set(BUCKETS), sorted(set(seen))  # 3 live rows run as 4
     s2 = make_session("e", block_size=6, generation={"bucket_shapes": "on"}, batch={"max_batch_size": 3})
     seen2 = _verify_shapes(s2)
     reqs, out = run(s2, PROMPTS, [14, 9, 11])
     for r in reqs:
         assert out[r.id] == reference(s2, r.prompt, r.max_tokens), r.id
     assert {L for _, L in seen2} <= set(BUCKETS) and 8 in {L for _, L in seen2}, sorted(set(seen2))
+    assert {B for B, _ in seen2} <= set(BUCKETS) and 4 in {B for B, _ in seen2}, sorted(set(seen2))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_padded_batch_rows_equal_the_unpadded_verify(tree):
+    """Three ragged rows verified as four (a dummy row of empty slots) and a
+    3-token chain as 4 / a 6-node tree as 8: every real row's logits and
+    cache slots are the unpadded verify's, and the dummy row is gone."""
+    s = make_session("e", block_size=4)
+    t = s.target
+    seqs = [PROMPTS[0][:-3], PROMPTS[1][:-3], PROMPTS[2][:-3]]
+    n = 6 if tree else 3
+    tokens = mx.array([p[-n:] for p in PROMPTS], dtype=mx.int32)
+    out = []
+    for mode in ("off", "on"):
+        cache, _ = t.prefill(seqs, extra=16)
+        t.set_offsets(cache, mx.array([len(p) for p in seqs], dtype=mx.int32))
+        seen = []
+        fwd = t.forward_with_taps
+        t.forward_with_taps = lambda x, *a, **kw: (seen.append(tuple(x.shape)), fwd(x, *a, **kw))[1]
+        try:
+            if tree:
+                from mtpflow.backend.shapes import bucketed_tree_forward
+                from mtpflow.sampling import tree_visibility
+
+                depth = mx.array([[0, 1, 1, 2, 2, 2]] * 3, dtype=mx.int32)
+                visible = tree_visibility(mx.array([[-1, 0, 0, 1, 2, 2]] * 3, dtype=mx.int32), 2)
+                h, _ = bucketed_tree_forward(t, tokens, cache, cache[0].offset[:, None] + depth, visible, (), s.submit_layers, mode)
+            else:
+                h, _ = bucketed_forward(t, tokens, cache, (), s.submit_layers, mode)
+        finally:
+            del t.forward_with_taps
+        assert seen == [(3, n) if mode == "off" else (4, 8 if tree else 4)] and h.shape[:2] == (3, n)
+        logits = t.logits(h)
+        mx.eval(logits)
+        out.append((np.array(logits), [(c.idx, np.array(c.offset), np.array(c.view()[0]), np.array(c.view()[2])) for c in cache]))
+    (l0, c0), (l1, c1) = out
+    np.testing.assert_allclose(l1, l0, rtol=0, atol=1e-5)
+    assert np.array_equal(l1.argmax(-1), l0.argmax(-1))
+    for (i, o, k, p), (i0, o0, k0, p0) in zip(c1, c0):
+        assert i == i0 and np.array_equal(o, o0) and np.array_equal(p, p0) and k.shape == k0.shape
+        np.testing.assert_allclose(k, k0, rtol=0, atol=1e-5)

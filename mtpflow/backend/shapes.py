@@ -19,6 +19,12 @@ the cache and themselves only; no real node sees them (``visible`` is
 ``False`` in their columns), so the real nodes' outputs are the unpadded
 ones, and their slots are trimmed before acceptance reads the cache.
 
+A verify over ``B`` live rows runs as ``bucket(B)`` rows: the dummy rows get
+padding tokens, offset 0 and empty cache slots (position -1), so each sees
+only its own new slots; attention never mixes rows, and the dummy rows are
+cut from the outputs and the cache after the forward.  Padding the cache rows
+copies each layer's K/V once per such verify (see :func:`_pad_rows`).
+
 ``tests/test_shapes.py`` checks the real tokens' logits against an unpadded
 verify and counts the distinct verify shapes of a run.
 """
@@ -61,16 +67,18 @@ def bucketed_forward(target, tokens, cache, layers=(), submit: bool = False, mod
     its outputs cut off, so the caller sees an ``n``-token forward."""
     import mlx.core as mx
 
-    n = tokens.shape[1]
-    padded = verify_length(mode, n, cache)
-    if padded != n:
-        tokens = mx.pad(tokens, ((0, 0), (0, padded - n)), constant_values=pad_id)
+    B, n = tokens.shape
+    padded, rows = verify_length(mode, n, cache), verify_length(mode, B, cache)
+    if padded != n or rows != B:
+        tokens = mx.pad(tokens, ((0, rows - B), (0, padded - n)), constant_values=pad_id)
+    _pad_rows(cache, rows)
     hidden, taps = target.forward_with_taps(tokens, cache, layers, submit=submit)
-    if padded == n:
+    if padded == n and rows == B:
         return hidden, taps
     for c in cache:  # the padding's slots are the last ones
         c.trim(padded - n)
-    return hidden[:, :n], {t: v[:, :n] for t, v in taps.items()}
+    _cut_rows(cache, B)
+    return hidden[:B, :n], {t: v[:B, :n] for t, v in taps.items()}
 
 
 def bucketed_tree_forward(target, tokens, cache, positions, visible, layers=(), submit: bool = False,
@@ -81,17 +89,47 @@ def bucketed_tree_forward(target, tokens, cache, positions, visible, layers=(), 
     node sees it, its slot is trimmed and its outputs cut off."""
     import mlx.core as mx
 
-    n = tokens.shape[1]
-    padded = verify_length(mode, n, cache)
-    if padded == n or visible.shape[-1] != n:  # a tree grown over earlier slots runs as it is
+    B, n = tokens.shape
+    padded, rows = verify_length(mode, n, cache), verify_length(mode, B, cache)
+    if (padded == n and rows == B) or visible.shape[-1] != n:  # a tree grown over earlier slots runs as it is
         return target.forward_tree(tokens, cache, positions, visible, layers, submit=submit)
     extra = padded - n
-    tokens = mx.pad(tokens, ((0, 0), (0, extra)), constant_values=pad_id)
+    tokens = mx.pad(tokens, ((0, rows - B), (0, extra)), constant_values=pad_id)
     positions = mx.concatenate([positions, mx.repeat(positions[:, :1], extra, axis=1)], axis=1)
+    positions = mx.pad(positions, ((0, rows - B), (0, 0)))
     own = mx.arange(padded)[:, None] == mx.arange(padded)[None, :]  # [P, P]
-    own = own & (mx.arange(padded) >= n)[:, None]
-    visible = mx.pad(visible, ((0, 0), (0, extra), (0, extra)), constant_values=False) | own[None]
+    node = own & (mx.arange(padded) >= n)[:, None]  # a padding node sees itself
+    visible = mx.pad(visible, ((0, 0), (0, extra), (0, extra)), constant_values=False) | node[None]
+    visible = mx.concatenate([visible, mx.broadcast_to(own[None], (rows - B, padded, padded))], axis=0)  # a dummy row: a chain of selves
+    _pad_rows(cache, rows)
     hidden, taps = target.forward_tree(tokens, cache, positions, visible, layers, submit=submit)
     for c in cache:  # the padding's slots are the last ones
         c.trim(extra)
-    return hidden[:, :n], {t: v[:, :n] for t, v in taps.items()}
+    _cut_rows(cache, B)
+    return hidden[:B, :n], {t: v[:B, :n] for t, v in taps.items()}
+
+
+def _pad_rows(cache, rows: int) -> None:
+    """Append dummy batch rows to every cache layer, up to ``rows``: empty
+    slots (position -1) and offset 0, so a dummy row sees nothing but its own
+    new slots and no real row sees it (attention is per row).  This copies
+    each layer's K/V once; :func:`_cut_rows` drops the rows again."""
+    import mlx.core as mx
+
+    B = cache[0].offset.shape[0] if cache else rows
+    if rows == B:
+        return
+    offset = mx.pad(cache[0].offset, (0, rows - B))  # one array shared by every layer, as set_offsets leaves it
+    for c in cache:
+        if c.offset is offset:  # a layer listed twice
+            continue
+        c.keys, c.values = (mx.pad(a, ((0, rows - B),) + ((0, 0),) * (a.ndim - 1)) for a in (c.keys, c.values))
+        c.positions = mx.pad(c.positions, ((0, rows - B), (0, 0)), constant_values=-1)
+        c.offset = offset
+
+
+def _cut_rows(cache, B: int) -> None:
+    """Drop the dummy rows :func:`_pad_rows` appended (every row past ``B``)."""
+    for c in cache:
+        if c.offset.shape[0] != B:
+            c.keys, c.values, c.positions, c.offset = c.keys[:B], c.values[:B], c.positions[:B], c.offset[:B]
