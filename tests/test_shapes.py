@@ -8,7 +8,7 @@ import pytest
 from conftest import make_session, prompt, reference
 from conftest import run_requests as run
 
-from mtpflow.backend.shapes import BUCKETS, bucket, bucketed_forward, verify_length
+from mtpflow.backend.shapes import BUCKETS, bucket, bucketed_forward, verify_length, warm_up
 
 PROMPTS = [prompt("e", "long"), prompt("e", "short"), prompt("e", "edge")]
 
@@ -152,9 +152,10 @@ def test_a_padded_tree_verify_equals_the_unpadded_one():
 def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
     """Trees of 11 nodes (2,2,1 plus the root), rows joining and leaving
     (continuous batching, ragged acceptance), and a batch of chains of 6
-    tokens: with bucketing on, every verify runs at a bucket length (16, 8;
-    shorter chains where a request's budget cuts the block) and the tokens
-    are target-only's."""
+    tokens: with bucketing on, every verify runs at bucket rows and a bucket
+    length (16, 8; shorter chains where a request's budget cuts the block),
+    all of them shapes the warm-up ran first, and the tokens are
+    target-only's."""
     from conftest import drive_with_late_joiners
 
     from mtpflow.engine import make_request
@@ -162,6 +163,10 @@ def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
     s = make_session("e", block_size=4, draft={"tree": "2,2,1"}, generation={"bucket_shapes": "on"},
                      batch={"policy": "continuous", "max_batch_size": 3})
     seen = _verify_shapes(s)
+    warmed = warm_up(s)
+    assert set(seen) == {(r, n) for r, n, _ in warmed} and len(seen) == len(warmed) == 12  # rows 1,2,4 x (chains 1,2,4; a 16-node tree)
+    warmed = set(seen)
+    seen.clear()
     first = [make_request(s, PROMPTS[0], max_tokens=18, request_id="a"), make_request(s, PROMPTS[1], max_tokens=7, request_id="b")]
     late = [make_request(s, PROMPTS[2], max_tokens=12, request_id="c"), make_request(s, PROMPTS[1][:5], max_tokens=9, request_id="d")]
     out = drive_with_late_joiners(s, first, late, join_after=2, max_live=3)
@@ -171,6 +176,7 @@ def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
     assert 16 in lengths and lengths <= set(BUCKETS), sorted(set(seen))  # 11-node trees run as 16 (chains near the budget)
     rows = {B for B, _ in seen}
     assert 4 in rows and rows <= set(BUCKETS), sorted(set(seen))  # 3 live rows run as 4
+    assert set(seen) <= warmed, sorted(set(seen) - warmed)  # the run compiles nothing the warm-up did not
     s2 = make_session("e", block_size=6, generation={"bucket_shapes": "on"}, batch={"max_batch_size": 3})
     seen2 = _verify_shapes(s2)
     reqs, out = run(s2, PROMPTS, [14, 9, 11])

@@ -133,3 +133,59 @@ def _cut_rows(cache, B: int) -> None:
     for c in cache:
         if c.offset.shape[0] != B:
             c.keys, c.values, c.positions, c.offset = c.keys[:B], c.values[:B], c.positions[:B], c.offset[:B]
+
+
+def reachable_shapes(session, max_rows: int | None = None) -> list[tuple[int, int, bool]]:
+    """The bucketed verify shapes ``(rows, tokens, tree)`` a run of ``session``
+    can reach: chains up to the block size (the fixed policy's) or the
+    configured maximum (any other policy's), each configured
+    tree's node count (root included), rows up to the batch policy's maximum
+    (``max_rows`` overrides it)."""
+    from ..builtins.policies import configured_trees
+
+    cfg = session.config
+    d = cfg.draft
+    max_block = d.block_size if d.policy == "fixed" and d.block_size else max(k for k in (d.block_size, d.max_block_size, 1) if k)
+    rows = sorted({bucket(b) for b in range(1, (max_rows or cfg.batch.max_batch_size) + 1)})
+    chains = sorted({bucket(k) for k in range(1, max_block + 1)})
+    trees = sorted({bucket(t.nodes + 1) for t in configured_trees(cfg)})
+    return [(r, n, False) for r in rows for n in chains] + [(r, n, True) for r in rows for n in trees]
+
+
+def warm_up(session, max_rows: int | None = None, skip: set | None = None) -> set:
+    """Run one verify forward of every shape :func:`reachable_shapes` lists (on
+    a throw-away cache), so a GPU compiles its kernels before the first timed
+    decode.  Does nothing unless ``[generation] bucket_shapes`` is on for this
+    device.  ``skip``: shapes already warmed (another session on the same
+    target); returns the shapes warmed, ``skip`` included."""
+    import mlx.core as mx
+
+    from .profiles import tuning_on
+
+    done = set(skip or ())
+    mode = session.config.generation.bucket_shapes
+    if not tuning_on("bucket_shapes", mode):
+        return done
+    target = session.target
+    by_rows: dict[int, list] = {}
+    for r, n, tree in reachable_shapes(session, max_rows):
+        if (r, n, tree) not in done:
+            by_rows.setdefault(r, []).append((n, tree))
+    for r, shapes in by_rows.items():
+        cache, _ = target.prefill([[0] * 4] * r, extra=max(n for n, _ in shapes))
+        if verify_length(mode, 3, cache) == 3:  # bucketing off here: nothing to warm
+            return done
+        for n, tree in shapes:
+            target.set_offsets(cache, mx.full((r,), 4, mx.int32))
+            tokens = mx.zeros((r, n), mx.int32)
+            if tree:
+                chain = mx.broadcast_to(mx.tril(mx.ones((n, n), mx.bool_))[None], (r, n, n))
+                pos = mx.full((r, 1), 4, mx.int32) + mx.arange(n, dtype=mx.int32)[None]
+                h, taps = target.forward_tree(tokens, cache, pos, chain, session.tap_layers, submit=session.submit_layers)
+            else:
+                h, taps = target.forward_with_taps(tokens, cache, session.tap_layers, submit=session.submit_layers)
+            mx.eval(target.logits(h), taps)
+            for c in cache:
+                c.trim(n)
+            done.add((r, n, tree))
+    return done
