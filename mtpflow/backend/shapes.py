@@ -121,7 +121,8 @@ def _pad_rows(cache, rows: int) -> None:
         return
     offset = mx.pad(cache[0].offset, (0, rows - B))  # one array shared by every layer, as set_offsets leaves it
     for c in cache:
-        if c.offset is offset:  # a layer listed twice
+        if c.offset is offset or c.keys is None:  # a layer listed twice, or one that holds nothing
+            c.offset = offset
             continue
         c.keys, c.values = (mx.pad(a, ((0, rows - B),) + ((0, 0),) * (a.ndim - 1)) for a in (c.keys, c.values))
         c.positions = mx.pad(c.positions, ((0, rows - B), (0, 0)), constant_values=-1)
@@ -131,8 +132,10 @@ def _pad_rows(cache, rows: int) -> None:
 def _cut_rows(cache, B: int) -> None:
     """Drop the dummy rows :func:`_pad_rows` appended (every row past ``B``)."""
     for c in cache:
+        if c.keys is not None and c.keys.shape[0] != B:
+            c.keys, c.values, c.positions = c.keys[:B], c.values[:B], c.positions[:B]
         if c.offset.shape[0] != B:
-            c.keys, c.values, c.positions, c.offset = c.keys[:B], c.values[:B], c.positions[:B], c.offset[:B]
+            c.offset = c.offset[:B]
 
 
 def reachable_shapes(session, max_rows: int | None = None) -> list[tuple[int, int, bool]]:
