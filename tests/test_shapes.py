@@ -149,7 +149,8 @@ def test_a_padded_tree_verify_equals_the_unpadded_one():
             np.testing.assert_allclose(k, k0, rtol=0, atol=1e-5)
 
 
-def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
+@pytest.mark.parametrize("pair", ["e", "d"])
+def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets(pair):
     """Trees of 11 nodes (2,2,1 plus the root), rows joining and leaving
     (continuous batching, ragged acceptance), and a batch of chains of 6
     tokens: with bucketing on, every verify runs at bucket rows and a bucket
@@ -160,7 +161,7 @@ def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
 
     from mtpflow.engine import make_request
 
-    s = make_session("e", block_size=4, draft={"tree": "2,2,1"}, generation={"bucket_shapes": "on"},
+    s = make_session(pair, block_size=4, draft={"tree": "2,2,1"}, generation={"bucket_shapes": "on"},
                      batch={"policy": "continuous", "max_batch_size": 3})
     seen = _verify_shapes(s)
     warmed = warm_up(s)
@@ -177,7 +178,7 @@ def test_a_bucketed_ragged_continuous_tree_run_stays_in_the_buckets():
     rows = {B for B, _ in seen}
     assert 4 in rows and rows <= set(BUCKETS), sorted(set(seen))  # 3 live rows run as 4
     assert set(seen) <= warmed, sorted(set(seen) - warmed)  # the run compiles nothing the warm-up did not
-    s2 = make_session("e", block_size=6, generation={"bucket_shapes": "on"}, batch={"max_batch_size": 3})
+    s2 = make_session(pair, block_size=6, generation={"bucket_shapes": "on"}, batch={"max_batch_size": 3})
     seen2 = _verify_shapes(s2)
     reqs, out = run(s2, PROMPTS, [14, 9, 11])
     for r in reqs:
