@@ -150,7 +150,7 @@ class GenerationConfig:
     #: (:mod:`mtpflow.backend.fusion`; the same values): "auto" = on a CPU device, where MLX runs RMSNorm
     #: and RoPE as graphs of primitives; "on"; "off" (mlx-lm's own modules)
     fuse_ops: Literal["auto", "on", "off"] = "auto"
-    #: pad a chain verify to a bucket length (:mod:`mtpflow.backend.shapes`): "auto" = on a GPU device
+    #: pad a verify (chain length, tree node count, batch rows) to a bucket (:mod:`mtpflow.backend.shapes`): "auto" = on a GPU device
     bucket_shapes: Literal["auto", "on", "off"] = "auto"
 
 

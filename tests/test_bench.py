@@ -199,7 +199,26 @@ def test_device_preset_writes_its_figures(tmp_path):
     assert meta["preset"] == "device" and meta["repeats"] == 1 and meta["warmup"] == 1 and meta["num_prompts"] == 4
     assert meta["dtype"] == {"setting": "auto", "ran": "float32"}
     assert meta["profile"]["device"] == "cpu" and meta["profile"]["fuse_ops"] is True
+    assert meta["warmed_verify_shapes"] == []  # the CPU profile does not bucket verify shapes
     curve = res["verify_cost"]["curve"]
     assert [c["tokens"] for c in curve] == list(VERIFY_LENGTHS) and all(c["ms"] > 0 for c in curve)
     assert curve[0]["ratio"] == 1.0
     assert 0 < res["wall_s"] < 180
+
+
+def test_a_bucketing_device_warms_every_verify_shape_first(tmp_path, monkeypatch):
+    """On a device whose profile buckets verify shapes (the CPU's, patched),
+    the bench runs one verify of every bucketed shape its variants can reach
+    before its warm-up passes: rows 1, 2 by chains up to 3 tokens (1, 2, 4)
+    and the 11-node tree (16)."""
+    import attrs
+
+    from mtpflow.backend import profiles
+
+    monkeypatch.setitem(profiles.PROFILES, "cpu", attrs.evolve(profiles.PROFILES["cpu"], bucket_shapes=True))
+    args = parse("--target", FIX / "target", "--draft-model", FIX / "drafter", "--max-tokens", 4, "--repeats", 1,
+                 "--block-sizes", "3", "--batch-sizes", "1,2", "--trees", "2,2,1", "--no-default", "--no-baseline",
+                 "--no-null", "--no-plots", "--out", tmp_path, "--no-progress")
+    assert run_bench(args) == 0
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["warmed_verify_shapes"] == [[r, n, t] for r in (1, 2) for n, t in ((1, False), (2, False), (4, False), (16, True))]

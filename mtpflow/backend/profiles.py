@@ -31,7 +31,7 @@ class Profile:
     blas_preload: bool
     #: mtpflow's own elementwise chains (final-logit softcapping) as one ``mx.compile``d node
     compile_elementwise: bool
-    #: a chain verify padded to a bucket length (:mod:`mtpflow.backend.shapes`)
+    #: a verify padded to bucket shapes: tokens or tree nodes, and batch rows (:mod:`mtpflow.backend.shapes`)
     bucket_shapes: bool
     #: ``{tuning: the measurement or reason}``
     why: dict

@@ -15,7 +15,7 @@ from mtpflow import hookimpl
 from mtpflow.api import (
     BudgetDrafter, LookaheadSafe, PeekingBlockPolicy, PrefillingDrafter, TreeDrafter, has,
 )
-from mtpflow.backend.shapes import bucketed_forward
+from mtpflow.backend.shapes import bucketed_forward, bucketed_tree_forward
 from mtpflow.logs import debug_enabled
 from mtpflow.state import (
     AcceptResult,
@@ -191,8 +191,8 @@ def mtpflow_verify(session, state, draft):
     if draft.is_tree:
         # one forward over every node: each at root + depth, seeing its ancestors only
         _, depth, visible = tree_inputs(state, draft)
-        hidden, taps = target.forward_tree(inputs, state.cache, state.positions[:, None] + depth, visible, session.tap_layers,
-                                           submit=session.submit_layers)
+        hidden, taps = bucketed_tree_forward(target, inputs, state.cache, state.positions[:, None] + depth, visible,
+                                             session.tap_layers, session.submit_layers, session.config.generation.bucket_shapes)
     else:
         hidden, taps = bucketed_forward(target, inputs, state.cache, session.tap_layers, session.submit_layers,
                                         session.config.generation.bucket_shapes)
