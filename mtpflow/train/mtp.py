@@ -290,7 +290,8 @@ def train_mtp(target, drafter_options, data_spec, out: Path, cfg, examples=None,
     ranks = ranks or world()
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())
-    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks)
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks, taps=(),
+                                                            kv=False)
     mx.random.seed(cfg.seed)
     trainer = MTPTrainer(target, drafter_options, examples, cfg)
 
