@@ -518,12 +518,33 @@ def _load_mlx_lm_draft(name: str, dtype: str):
     return model
 
 
+def _in_target_sessions(session) -> list[tuple]:
+    """``(kind, session)`` for every drafter kind whose drafter ships inside
+    the target checkpoint (``in_target``, e.g. a native MTP head) other than
+    the session's own: bench rows for it come next to the given drafter's."""
+    import attrs
+
+    from .engine import DrafterOptions
+
+    out = []
+    t = session.target
+    for name, cls in session.plugins.drafters.items():
+        found = getattr(cls, "in_target", None)
+        if found is None or name == session.draft_kind or not found(t.config, getattr(t, "path", None)):
+            continue
+        opts = DrafterOptions(plugins=session.plugins, dtype=session.config.model.dtype, config=session.config,
+                              settings=session.plugins.settings_for(name, cls, session.config))
+        out.append((name, attrs.evolve(session, drafter=cls.load(None, t, opts), draft_kind=name)))
+    return out
+
+
 def build_variants(args, session, prompts) -> list[Variant]:
     variants: list[Variant] = []
     eos = () if not args.stop_at_eos else sorted(session.target.eos_ids)
     ignore_eos = not args.stop_at_eos
     max_batch = max(args.batch_sizes)
     mlx_draft = _load_mlx_lm_draft(args.mlx_lm_draft_model, args.dtype) if args.mlx_lm_draft_model else None
+    in_target = _in_target_sessions(session)
     for b in args.batch_sizes:
         if not args.no_baseline:
             variants.append(MLXLMVariant(f"mlx_lm b{b}", b, 1, "target_only", session.target.model, stop_ids=eos,
@@ -547,6 +568,11 @@ def build_variants(args, session, prompts) -> list[Variant]:
             for shape in [t.strip() for t in args.trees.split(";") if t.strip()]:
                 s = _session_variant(session, max(args.block_sizes), "fixed", True, max_batch, args.sync_timing, tree=shape)
                 variants.append(MTPFlowVariant(f"mtpflow-tree{shape} b{b}", b, max(args.block_sizes), "tree", s, ignore_eos))
+        for kind, base in in_target:  # the target checkpoint's own drafter (its native MTP head)
+            for k in args.block_sizes:
+                if k > 1:
+                    s = _session_variant(base, k, args.policy, True, max_batch, args.sync_timing)
+                    variants.append(MTPFlowVariant(f"mtpflow-{kind}-k{k} b{b}", b, k, kind, s, ignore_eos))
         if mlx_draft is not None and b == 1:
             for k in args.block_sizes:
                 if k > 1:

@@ -29,6 +29,28 @@ DEEPSEEK_V3 = {
     "num_nextn_predict_layers": 1, "eos_token_id": 1, "bos_token_id": 0,
 }
 
+GLM_MOE_DSA = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("rope_theta", "architectures")},
+    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 256,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+}
+
+GLM4_MOE = {
+    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 64, "max_position_embeddings": 512, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    "num_attention_heads": 4, "n_group": 1, "head_dim": 16, "topk_group": 1, "n_shared_experts": 1,
+    "n_routed_experts": 4, "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": None, "use_qk_norm": True, "tie_word_embeddings": False, "attention_bias": True,
+    "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1, "eos_token_id": 1,
+}
+
+GLM4_MOE_LITE = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "architectures"},
+    "model_type": "glm4_moe_lite", "architectures": ["Glm4MoeLiteForCausalLM"], "partial_rotary_factor": 1.0,
+}
+
 
 def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
     """A decoder layer's mlx tensors back in the HF layout (experts one by one, kv_b_proj)."""
@@ -52,7 +74,8 @@ def _hf_mtp_layer(model_layer, prefix: str, cfg: dict, rng) -> dict:
 
 
 def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth: int = 1, mix: float = 0.9,
-                    strip: bool = False) -> Path:
+                    strip: bool = False, residual: float = 4.0, half: str = "hidden",
+                    block_scale: float = 0.05, tokenizer: Path | None = None) -> Path:
     from mlx_lm.utils import _get_classes
 
     cfg = dict(config or DEEPSEEK_V3)
@@ -68,7 +91,7 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
         if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
             v = mx.array(rng.uniform(0.7, 1.3, v.shape).astype(np.float32))
         elif k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
-            v = v * 4.0
+            v = v * residual
         elif k.endswith("embed_tokens.weight"):
             v = v * 3.0
         elif "e_score_correction_bias" in k:
@@ -83,19 +106,25 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
         out[pre + "hnorm.weight"] = mx.array(rng.uniform(0.7, 1.3, (H,)).astype(np.float32))
         out[pre + "shared_head.norm.weight"] = mx.array(rng.uniform(0.7, 1.3, (H,)).astype(np.float32))
         eh = rng.normal(0, (2 * H) ** -0.5, (H, 2 * H)).astype(np.float32) * (1 - mix)
-        eh[:, H:] += mix * np.eye(H, dtype=np.float32)
+        (eh[:, H:] if half == "hidden" else eh[:, :H])[:] += mix * np.eye(H, dtype=np.float32)
         out[pre + "eh_proj.weight"] = mx.array(eh)
-        out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]  # DeepSeek-V3 ships copies
-        out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
+        if cfg["model_type"] == "deepseek_v3":  # DeepSeek-V3 ships copies of the embedding and head (GLM-5 does not)
+            out[pre + "embed_tokens.weight"] = w["model.embed_tokens.weight"]
+            out[pre + "shared_head.head.weight"] = w["lm_head.weight"]
         for k in list(out):
             if k.startswith(pre) and (k.endswith("o_proj.weight") or k.endswith("down_proj.weight")):
-                out[k] = out[k] * 0.05  # a near pass-through block
+                out[k] = out[k] * block_scale  # a near pass-through block
     if strip:
         out = {k: v for k, v in out.items() if not any(k.startswith(f"model.layers.{n + i}.") for i in range(depth))}
-    path = Path(root) / f"{cfg['model_type']}_{seed}_d{depth}{'_stripped' if strip else ''}"
+    path = Path(root) / f"{cfg['model_type']}_{seed}_d{depth}{'_stripped' if strip else ''}_{half}{residual}"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), out)
+    if tokenizer is not None:  # a tokenizer folder (its vocabulary must fit vocab_size)
+        import shutil
+
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer) / f, path / f)
     return path
 
 

@@ -156,3 +156,46 @@ def test_module_for_another_target_is_refused(ckpts, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     msg = _error(lambda: session(ckpts["d1"], draft_model=str(folder)))
     assert "hidden_size is 32 but the target's is 64" in msg
+
+
+def test_bench_has_native_mtp_rows_next_to_another_drafter(tmp_path, fixtures_dir):
+    """``mtpflow bench`` on a target carrying a head, with another drafter
+    given: rows for the native head come next to that drafter's."""
+    import argparse
+
+    from mtpflow.bench import add_bench_arguments, run_bench
+    from native_mtp_tiny import DEEPSEEK_V3
+
+    ckpt = make_checkpoint(tmp_path, 5, config=dict(DEEPSEEK_V3, vocab_size=2048), tokenizer=fixtures_dir / "tokenizer")
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    out = tmp_path / "bench"
+    args = p.parse_args([str(a) for a in (
+        "--target", ckpt, "--draft-kind", "ngram", "--prompts", "tiny", "--num-prompts", "2", "--block-sizes", "1,3",
+        "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--max-tokens", "12", "--out", out,
+        "--no-progress", "--no-plots", "--no-baseline")])
+    assert run_bench(args) == 0
+    res = json.loads((out / "bench.json").read_text())
+    rows = {v["name"]: v for v in res["variants"]}
+    assert "mtpflow-k3 b1" in rows and "mtpflow-native_mtp-k3 b1" in rows and "mtpflow-native_mtp-k3 b2" in rows
+    assert rows["mtpflow-native_mtp-k3 b2"]["kind"] == "native_mtp"
+    assert rows["mtpflow-native_mtp-k3 b1"]["rounds"] > 0
+
+
+@pytest.mark.parametrize("family", ["GLM4_MOE", "GLM4_MOE_LITE", "GLM_MOE_DSA"])
+def test_other_families_ragged_and_continuous(tmp_path, family):
+    """GLM-4.x MoE (GQA + MoE), GLM-4.7-Flash (MLA) and GLM-5 (MLA + DSA, a
+    cache pair per layer): each row equals its own target-only output, also
+    when a request joins a running batch."""
+    import native_mtp_tiny as tiny
+    from mtpflow.engine import make_request
+
+    ckpt = make_checkpoint(tmp_path, 2, config=getattr(tiny, family), residual=0.3, half="embed", mix=0.8, block_scale=2.0)
+    s = session(ckpt, block=3, draft_kind="mtp")
+    assert s.draft_kind == "native_mtp"
+    first = [make_request(s, p, max_tokens=14, request_id=f"a{i}") for i, p in enumerate(PROMPTS[:2])]
+    late = [make_request(s, PROMPTS[2], max_tokens=14, request_id="late")]
+    out = drive_with_late_joiners(s, first, late, join_after=2)
+    for r in first + late:
+        assert out[r.id] == reference(s, r.prompt, 14)
+    assert s.stats.as_dict()["accepted_tokens"] > 0

@@ -33,7 +33,8 @@ def mtpflow_register_drafters(register):
 @hookimpl
 def mtpflow_register_targets(register):
     # targets whose checkpoints carry the native MTP heads the native_mtp kind runs
-    from mtpflow.targets.deepseek import DeepseekTarget
+    from mtpflow.targets.deepseek import DeepseekTarget, DeepseekV32Target
 
-    for model_type in DeepseekTarget.model_types:
-        register(model_type, DeepseekTarget)
+    for cls in (DeepseekTarget, DeepseekV32Target):
+        for model_type in cls.model_types:
+            register(model_type, cls)

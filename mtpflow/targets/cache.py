@@ -255,6 +255,9 @@ def merge_caches(caches: list[list[SlotKVCache]]) -> list[SlotKVCache]:
     slot axes are right-aligned, shorter ones padded with empty slots."""
     out = []
     for layer in zip(*caches):
+        if hasattr(layer[0], "merge_layers"):  # a layer of several caches merges itself
+            out.append(layer[0].merge_layers(list(layer)))
+            continue
         width = max(c.idx for c in layer)
         tmpl = next(c for c in layer if c.keys is not None)
         merged = SlotKVCache(window=tmpl.window, retain=tmpl.retain)

@@ -110,6 +110,8 @@ class NativeMTPDrafter:
     def in_target(cls, target_config: dict, target_path=None) -> bool:
         """Whether the target checkpoint carries an MTP head this kind runs
         (config.json and safetensors headers only)."""
+        if target_path is None:
+            return False
         try:
             check_head(target_config, Path(target_path))
         except (TargetError, OSError):
