@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     from mtpflow.train.loop import _load_target, train
 
     target = _load_target(args.target)
+    KIND_OPTIONS["eagle3"]["draft_vocab_size"] = min(8192, target.vocab_size)
     kinds = args.kinds.split(",")
     union = sorted({t for k in kinds if k in ("eagle3", "dflash") for t in tap_layers(k, target, KIND_OPTIONS[k])})
     common = dict(batch_size=args.batch_size, steps=args.steps, warmup=1, checkpoint_every=10_000, progress=False,
