@@ -98,6 +98,8 @@ def test_training_lowers_the_loss_and_resumes_exactly(trained, tmp_path):
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 16 and log[-1]["loss"] < 0.6 * log[0]["loss"]
     assert all(len(r["step_loss"]) == 2 for r in log)
+    # depth_weights [1, 0.5], normalised: the loss is 2/3 of depth 1's plus 1/3 of depth 2's
+    assert all(abs(r["loss"] - (2 * r["step_loss"][0] + r["step_loss"][1]) / 3) < 1e-4 for r in log)
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["kind"] == "mtp" and summary["depth"] == 2
     # stopped at step 6 and resumed: the same losses as the uninterrupted run
@@ -182,3 +184,15 @@ def test_fine_tuning_a_checkpoints_own_head_starts_from_it(tmp_path):
     a = _head_logits(load_head(ck, t.model, "float32")[1], t, toks)
     b = _head_logits(load_head(tmp_path / "out", t.model, "float32", t.config)[1], t, toks)
     assert np.abs(a[0] - b[0]).max() <= 1e-6
+
+
+def test_bad_options_are_one_line_errors(target):
+    from mtpflow.train.mtp import MTPTrainer
+
+    cfg = type("C", (), {"targets": "soft", "max_len": 64})()
+    with pytest.raises(ValueError, match="depth_weights needs 2 non-negative weights"):
+        MTPTrainer(target, {"depth": 2, "depth_weights": [1.0]}, [], cfg)
+    with pytest.raises(ValueError, match="unknown mtp drafter option.*depht"):
+        MTPTrainer(target, {"depht": 2}, [], cfg)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        MTPTrainer(target, {"depth": 0}, [], cfg)
