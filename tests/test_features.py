@@ -371,3 +371,14 @@ def test_a_run_resumed_from_the_cache_equals_an_uninterrupted_one(kind, shared_c
     train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "b", **_kind_settings(kind, folder, steps=5))
     a, b = ([json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ab")
     assert len(a) == len(b) == 5 and np.allclose(a, b, rtol=0, atol=1e-6), (a, b)
+
+
+def test_the_mtp_kind_from_the_cache_trains_as_from_the_target(shared_cache, tmp_path):
+    """Cached hidden states (float16) and the cached argmax as hard labels give
+    the losses of a run that runs the target per batch (up to float16)."""
+    folder, _, _ = shared_cache
+    opts = SHARED_KINDS["mtp"]
+    train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "c", **_kind_settings("mtp", folder, steps=2))
+    train(E3_TARGET, opts, "selfgen:16:40", tmp_path / "t", **_kind_settings("mtp", folder, steps=2))
+    c, t = ([json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ct")
+    assert np.allclose(c, t, rtol=1e-2), (c, t)
