@@ -1,8 +1,10 @@
 """Training tokens/s of every drafter kind, from the target per batch and from one shared feature cache.
 
-    python scripts/bench_train_kinds.py --target smollm2-135m --data selfgen:32:128 --steps 5
+    python scripts/bench_train_kinds.py --target smollm2-135m --data random:32:256 --steps 5
 
-One process, the same data for every run: first a ``cache:`` folder is
+One process, the same data for every run (``random:N:L``: N rows of L random
+token ids, loss on the second half, written to a JSONL file; or any data
+spec): first a ``cache:`` folder is
 collected once with what every kind reads (the hidden states, the assistant
 kind's K/V, the union of EAGLE-3's and DFlash's layer taps); then each kind
 trains ``--steps`` steps twice, recomputing the target's features per batch
@@ -41,7 +43,7 @@ def rate(out: Path) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--data", default="selfgen:32:128")
+    p.add_argument("--data", default="random:32:256")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kinds", default="assistant,eagle3,dflash,mtp")
@@ -59,6 +61,16 @@ def main(argv=None) -> int:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.data.startswith("random:"):
+            import numpy as np
+
+            n, length = (int(x) for x in args.data.split(":")[1:3])
+            rng = np.random.default_rng(0)
+            f = tmp / "random.jsonl"
+            f.write_text("".join(json.dumps({"tokens": rng.integers(4, target.vocab_size, length).tolist(),
+                                             "loss_mask": [i >= length // 2 for i in range(length)]}) + "\n"
+                                 for _ in range(n)))
+            args.data = str(f)
         cache = tmp / "cache"
         # one collection for every kind (the assistant kind reads the K/V, so it collects)
         s = train(target, KIND_OPTIONS["assistant"], f"cache:{args.data}", tmp / "collect", kind="assistant",
