@@ -133,7 +133,11 @@ class Drafter(Protocol):
     mismatch, before any weight is read), ``recommended_block_size(config,
     path)``, ``max_block_size(config)`` (the largest block a block drafter
     was trained for), ``matches(config)`` (recognise a checkpoint whose
-    ``model_type`` is not the drafter's own), ``drafts_to_budget`` (draft up
+    ``model_type`` is not the drafter's own), ``in_target(target_config,
+    target_path)`` with ``aliases``, ``auto_detect`` and
+    ``check_target(target_config, target_path)`` (a drafter that ships
+    inside the target checkpoint, run with no drafter checkpoint given),
+    ``label`` (the stats line's name for it), ``drafts_to_budget`` (draft up
     to the remaining token budget rather than leaving room for the bonus
     token), ``settings`` (see the module docstring), and on instances
     ``prefilled(session, state)`` (new rows, with the prompt's target

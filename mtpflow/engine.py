@@ -263,6 +263,17 @@ def in_target_kind(plugins: Plugins, target_config: dict, target_path: Path, req
         asked = requested is not None and (requested == name or requested in getattr(cls, "aliases", ()))
         if (asked or (requested is None and getattr(cls, "auto_detect", False))) and in_target(target_config, target_path):
             return name
+        if asked and requested != name and requested in plugins.drafters.names():
+            own = plugins.drafters.get(requested)
+            if getattr(own, "model_types", ()) and hasattr(cls, "check_target"):
+                # the requested kind loads checkpoints and none was given: say why the target's own drafter cannot serve
+                from .errors import TargetError
+
+                try:
+                    cls.check_target(target_config, target_path)
+                except TargetError as exc:
+                    raise LoadError(f"--draft-kind {requested} needs --draft-model (a {requested} checkpoint) unless the "
+                                    f"target carries its own drafter, and it does not: {exc}") from None
     return requested
 
 

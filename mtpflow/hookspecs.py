@@ -272,7 +272,13 @@ def mtpflow_register_drafters(register: Register) -> None:
         instances ``propose(session, state, shared, n_draft)``; optionally
         ``check(target_config, drafter_config[, drafter_path])``,
         ``matches(config)``, ``recommended_block_size(config, path)``,
-        ``max_block_size(config)``, ``drafts_to_budget``, ``settings``, and
+        ``max_block_size(config)``, ``drafts_to_budget``, ``settings``,
+        ``in_target(target_config, target_path)`` (the drafter ships inside the
+        target checkpoint: with no drafter checkpoint given, a request for the
+        kind, for one of its ``aliases``, or with ``auto_detect`` for no kind
+        at all, runs it) with ``check_target(target_config, target_path)``
+        (raise before any weight is read), ``label`` (what the stats line
+        calls the drafter), and
         instance methods ``prefilled(session, state)`` (after prefill, with
         the new rows' prompt features) and ``commit(session, state,
         accepted)`` (after every acceptance) for drafters with state of their own.

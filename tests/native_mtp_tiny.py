@@ -128,7 +128,7 @@ def make_checkpoint(root: Path, seed: int = 0, config: dict | None = None, depth
     return path
 
 
-def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
+def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32, mixed: bool = False) -> Path:
     """``src`` quantized as mlx-community publishes (``quantization`` in
     config.json, ``.scales`` / ``.biases``), its MTP layers kept, quantized too,
     in mlx-lm's layout (what a converter that kept them would write)."""
@@ -146,12 +146,15 @@ def quantized_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32) ->
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0 and "gate" not in p.split(".")[-1:]
 
     nn.quantize(target.model, group_size=group_size, bits=bits, class_predicate=pred)
+    cfg["quantization"] = {"group_size": group_size, "bits": bits}
+    if mixed:  # mlx-lm's mixed quantization: the head's eh_proj at 8 bits, named by checkpoint path
+        head.layers[0].eh_proj = head.layers[0].eh_proj.to_quantized(group_size=group_size, bits=8)
+        cfg["quantization"][f"model.layers.{cfg['num_hidden_layers']}.eh_proj"] = {"group_size": group_size, "bits": 8}
     nn.quantize(head, group_size=group_size, bits=bits, class_predicate=pred)
     w = dict(tree_flatten(target.model.parameters()))
     w.update(to_native(dict(tree_flatten(head.parameters())), cfg["num_hidden_layers"]))
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    cfg["quantization"] = {"group_size": group_size, "bits": bits}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.save_safetensors(str(dst / "model.safetensors"), w)
     return dst

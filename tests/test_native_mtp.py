@@ -112,10 +112,12 @@ def test_module_names_round_trip():
     assert set(from_native(native, 61, 2)) == set(w)
 
 
-def test_quantized_checkpoint_runs_the_head_quantized(ckpts, tmp_path):
-    q = quantized_copy(ckpts["d1"], tmp_path / "q4")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_quantized_checkpoint_runs_the_head_quantized(ckpts, tmp_path, mixed):
+    q = quantized_copy(ckpts["d1"], tmp_path / "q4", mixed=mixed)
     s = session(q, draft_kind="native_mtp")
-    assert "scales" in s.drafter.model.layers[0].eh_proj  # the head runs quantized
+    eh = s.drafter.model.layers[0].eh_proj
+    assert "scales" in eh and eh.bits == (8 if mixed else 4)  # the head runs quantized, per-layer bits kept
     _, out = run_requests(s, PROMPTS, [16, 16, 16])
     for i, p in enumerate(PROMPTS):
         assert out[str(i)] == reference(s, p, 16)
@@ -135,6 +137,12 @@ def _error(fn):
 def test_stripped_checkpoint_names_what_is_missing(ckpts):
     msg = _error(lambda: session(ckpts["stripped"], draft_kind="native_mtp"))
     assert "model.layers.2.eh_proj*" in msg and "converter dropped them" in msg and "--draft-model" in msg
+    # asked through the alias (the Gemma 4 assistant's kind name): the same reason, no crash
+    from mtpflow.engine import LoadError
+
+    with pytest.raises(LoadError) as ei:
+        session(ckpts["stripped"], draft_kind="mtp")
+    assert "--draft-kind mtp needs --draft-model" in str(ei.value) and "converter dropped them" in str(ei.value)
 
 
 def test_no_mtp_layers_and_unsupported_family(ckpts, tmp_path, fixtures_dir):
@@ -199,3 +207,33 @@ def test_other_families_ragged_and_continuous(tmp_path, family):
     for r in first + late:
         assert out[r.id] == reference(s, r.prompt, 14)
     assert s.stats.as_dict()["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("fixture", ["dflash/target", "eagle3/target"])
+def test_trained_module_for_any_mlx_lm_target(tmp_path, fixture):
+    """The loader contract for modules trained for targets without a head of
+    their own (qwen3, llama): built with ``NativeLayout.build``, written with
+    ``to_native``, loaded with ``--draft-model``; greedy output is the target's."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mtpflow.drafters.native_mtp.families import NativeLayout
+    from mtpflow.drafters.native_mtp.module import to_native
+
+    tpath = Path(__file__).parent / "fixtures" / fixture
+    base = session(tpath, draft_kind="none")
+    assert base.drafter is None
+    cfg = dict(json.loads((tpath / "config.json").read_text()), num_nextn_predict_layers=2)
+    head = NativeLayout.build(base.target.model, cfg)
+    folder = tmp_path / "module"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        to_native(dict(tree_flatten(head.parameters())), cfg["num_hidden_layers"]))
+    s = session(tpath, block=4, draft_model=str(folder))
+    assert s.draft_kind == "native_mtp" and s.drafter.depth == 2
+    ids = [3, 17, 42, 8, 99]
+    _, out = run_requests(s, [ids], [12])
+    assert out["0"] == reference(s, ids, 12)

@@ -115,3 +115,29 @@ def test_head_logits_match_mlx_vlm():
     out = d._run(0, tokens, mx.array(h["hidden"]), mx.arange(L, dtype=mx.int32)[None], caches=d.family.make_caches())
     logits = np.array(s.target.logits(out))
     np.testing.assert_allclose(logits, np.array(h["logits"]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_sampling_with_the_native_head_is_lossless():
+    """At temperature 1 (top-k 4: 16 outcomes, a tight bound) the first two tokens (the second one from the first
+    speculative round) are distributed as target-only sampling."""
+    from mtpflow.config import load_config
+    from mtpflow.engine import load_session
+    from mtpflow.state import SamplingParams
+    from test_sampling_engine import empirical, exact_joint, tv, tv_bound
+
+    n, chunk = 4000, 2000
+    s = load_session(load_config(overrides={
+        "model": {"model": str(FIX), "draft_kind": "mtp"}, "draft": {"block_size": 3, "policy": "fixed"},
+        "batch": {"max_batch_size": chunk}, "sampling": {"temperature": 1.0}}), log=quiet_log())
+    prompt = REF["runs"][0]["prompt"]
+
+    def sp(seed):
+        return SamplingParams(temperature=1.0, top_k=4, seed=seed)
+
+    P = exact_joint(s.target, sp(0), 2, prompt)
+    Q = empirical(s, sp, 2, prompt, n=n, chunk=chunk)
+    bound = tv_bound(P, n)
+    assert s.stats.draft_tokens >= n and s.stats.accepted_tokens > 0
+    assert tv(P, Q) < bound
+    assert tv(exact_joint(s.target, SamplingParams(temperature=0.4, top_k=4), 2, prompt), Q) > bound  # the check can fail

@@ -60,10 +60,18 @@ def load_head(src: Path, model, dtype: str | None, target_config: dict | None = 
     head = fam.build(model, cfg, D)
     if any(k.endswith(".scales") for k in weights):
         q = cfg.get("quantization") or cfg.get("quantization_config") or {}
-        nn.quantize(
-            head, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
+        n = text_config(cfg)["num_hidden_layers"]
+
+        def quantized(p, m):
+            # mlx-lm's mixed quantization names per-layer settings by checkpoint path
+            if f"{p}.scales" not in weights:
+                return False
+            i, _, rest = p[len("layers."):].partition(".")
+            own = q.get(f"model.layers.{n + int(i)}.{rest.removeprefix('block.')}")
+            return own if isinstance(own, dict) else True
+
+        nn.quantize(head, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
+                    class_predicate=quantized)
     else:
         weights = cast_floats(weights, dtype or "float32")
     try:

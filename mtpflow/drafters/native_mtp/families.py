@@ -105,7 +105,7 @@ class NativeLayout(Family):
     through the target's own ``sanitize`` (expert stacking, MLA ``kv_b_proj``
     split, fp8 dequantisation) as if they were layer 0's."""
 
-    model_types = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
+    model_types = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
     @classmethod
     def _prefix(cls, config: dict, i: int) -> str:
