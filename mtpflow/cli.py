@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(e)
 
-    x = add("export", help="write a drafter in another format (EAGLE-3 -> Speculators, for vLLM / SGLang)")
+    x = add("export", help="write a drafter in another format (EAGLE-3 -> Speculators, MTP heads -> native layout; for vLLM / SGLang)")
     from .export import add_arguments as add_export_arguments
 
     add_export_arguments(x)

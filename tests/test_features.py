@@ -301,3 +301,84 @@ def test_feature_data_specs_are_checked(target, tmp_path):
                                           {"role": "assistant", "content": "doli bugi base dana"}]}) + "\n")
     with pytest.raises(DataError, match="no features collected yet"):  # a zero time limit on an empty folder
         train(target, DRAFTER, f"cache:{g}", tmp_path / "z", steps=1, progress=False, cache_time_s=0)
+
+
+# ------------------------------------------------------------------------------ one cache for every kind
+E3_TARGET = FIXTURES.parent / "eagle3" / "target"  # a tiny llama every kind trains on
+SHARED_KINDS = {"eagle3": {"draft_vocab_size": 256}, "dflash": {"block_size": 4, "num_hidden_layers": 1},
+                "mtp": {"depth": 2}}
+
+
+def _kind_settings(kind, cache_dir, **kw):
+    return dict(batch_size=8, lr=3e-3, warmup=2, checkpoint_every=100, progress=False, kind=kind, unroll=2, anchors=4,
+                targets="hard", max_len=64, cache_dir=str(cache_dir), **kw)
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One ``cache:`` folder collected once with the layers of EAGLE-3 and DFlash
+    (the MTP kind reads the hidden state every folder holds)."""
+    from mtpflow.train.kinds import tap_layers
+    from mtpflow.train.loop import _load_target
+
+    target = _load_target(E3_TARGET)
+    union = sorted({t for k in ("eagle3", "dflash") for t in tap_layers(k, target, SHARED_KINDS[k])})
+    root = tmp_path_factory.mktemp("shared")
+    s = train(E3_TARGET, SHARED_KINDS["mtp"], "cache:selfgen:16:40", root / "first",
+              **_kind_settings("mtp", root / "cache", steps=1, cache_taps=tuple(union)))
+    assert s["cache"]["examples"] == 16
+    return root / "cache", union, target
+
+
+def test_kinds_share_one_compact_cache_and_never_run_the_target(shared_cache, tmp_path, monkeypatch):
+    import mtpflow.train.kinds as kinds_mod
+    import mtpflow.train.features as fm
+
+    folder, union, target = shared_cache
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["taps"] == union and meta["kv"] == {}  # only what the kinds read: no store-layer K/V
+    with np.load(sorted(folder.glob("shard-*.npz"))[0]) as z:
+        assert sorted(k for k in z.files if k.startswith("tap")) == sorted(f"tap_{t}" for t in union)
+        assert not [k for k in z.files if k[:2] in ("k_", "v_")]
+        assert all(z[k].dtype == np.float16 for k in z.files if k.startswith("tap") or k == "hidden")
+    forwards, real = [], kinds_mod.target_states
+    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: forwards.append(1) / 0)
+    monkeypatch.setattr(fm, "text_features_async", lambda *a, **k: forwards.append(1) / 0)
+    for kind, opts in SHARED_KINDS.items():
+        s = train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / kind, **_kind_settings(kind, folder, steps=2))
+        assert s["cache"]["examples"] == 0 and s["steps"] == 2, kind  # nothing collected again
+    assert forwards == []
+    # a kind's subset is the target's own layers, in the kind's order (float16)
+    taps = kinds_mod.tap_layers("dflash", target, SHARED_KINDS["dflash"])
+    f = load_features(folder, taps=taps[::-1], kv=False)[0]
+    hidden, got = real(target, mx.array(f.tokens[None].astype(np.int32)), taps[::-1])
+    want = np.concatenate([np.array(got[t][0]) for t in taps[::-1]], axis=-1)
+    assert f.taps.shape == want.shape and np.abs(f.taps.astype(np.float32) - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.abs(f.hidden.astype(np.float32) - np.array(hidden[0])).max() <= 2e-3 * np.abs(np.array(hidden[0])).max()
+    # a layer the folder lacks, or K/V it never kept, is refused with what to do
+    with pytest.raises(ValueError, match="--cache-taps"):
+        load_features(folder, taps=[0])
+    with pytest.raises(ValueError, match="without the store-layer K/V"):
+        load_features(folder, kv=True)
+
+
+@pytest.mark.parametrize("kind", sorted(SHARED_KINDS))
+def test_a_run_resumed_from_the_cache_equals_an_uninterrupted_one(kind, shared_cache, tmp_path):
+    folder, _, _ = shared_cache
+    opts = SHARED_KINDS[kind]
+    train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "a", **_kind_settings(kind, folder, steps=5))
+    train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "b", **_kind_settings(kind, folder, steps=5, stop_at=2))
+    train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "b", **_kind_settings(kind, folder, steps=5))
+    a, b = ([json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ab")
+    assert len(a) == len(b) == 5 and np.allclose(a, b, rtol=0, atol=1e-6), (a, b)
+
+
+def test_the_mtp_kind_from_the_cache_trains_as_from_the_target(shared_cache, tmp_path):
+    """Cached hidden states (float16) and the cached argmax as hard labels give
+    the losses of a run that runs the target per batch (up to float16)."""
+    folder, _, _ = shared_cache
+    opts = SHARED_KINDS["mtp"]
+    train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / "c", **_kind_settings("mtp", folder, steps=2))
+    train(E3_TARGET, opts, "selfgen:16:40", tmp_path / "t", **_kind_settings("mtp", folder, steps=2))
+    c, t = ([json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ct")
+    assert np.allclose(c, t, rtol=1e-2), (c, t)

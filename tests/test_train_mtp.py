@@ -98,6 +98,8 @@ def test_training_lowers_the_loss_and_resumes_exactly(trained, tmp_path):
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 16 and log[-1]["loss"] < 0.6 * log[0]["loss"]
     assert all(len(r["step_loss"]) == 2 for r in log)
+    # depth_weights [1, 0.5], normalised: the loss is 2/3 of depth 1's plus 1/3 of depth 2's
+    assert all(abs(r["loss"] - (2 * r["step_loss"][0] + r["step_loss"][1]) / 3) < 1e-4 for r in log)
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["kind"] == "mtp" and summary["depth"] == 2
     # stopped at step 6 and resumed: the same losses as the uninterrupted run
@@ -147,3 +149,50 @@ def test_ragged_greedy_with_the_trained_head_equals_target_only(trained):
     reqs, got = run_requests(s, prompts, [24, 16, 20])
     for r, p, n in zip(reqs, prompts, [24, 16, 20]):
         assert got[r.id] == target_only_greedy(s.target, p, n, s.target.eos_ids)
+
+
+def test_the_training_forward_is_the_drafters_forward_at_depth_1(trained, target):
+    """The native-MTP drafter's own step over a prompt's pairs (token ``x_{p+1}``
+    with ``h_p`` at position ``p + 1``, its K/V cache, its mask) gives the
+    training forward's depth-1 outputs."""
+    out, _ = trained
+    s = load_session(load_config(overrides={"model": {"model": str(TGT), "draft_model": str(out)}}))
+    d = s.drafter
+    toks = mx.array([list(range(40, 71))], dtype=mx.int32)
+    T = toks.shape[1]
+    H, _ = target_states(target, toks, ())
+    want = mtp_outputs(d.model, target.embed, H, toks, mx.ones((1, T), mx.int32), mx.arange(T, dtype=mx.int32)[None])[0]
+    caches = d.family.make_caches()
+    got = d._run(0, toks[:, 1:], H[:, :-1], mx.arange(1, T, dtype=mx.int32)[None], caches)
+    assert np.abs(np.array(got) - np.array(want[:, :-1])).max() < 1e-4
+
+
+def test_fine_tuning_a_checkpoints_own_head_starts_from_it(tmp_path):
+    """``from_target``: the DeepSeek-V3 checkpoint's own MTP layer (MoE block, MLA)
+    is the start; with a zero learning rate the written module is that head."""
+    from native_mtp_tiny import make_checkpoint
+
+    from mtpflow.drafters.native_mtp.drafter import load_head
+    from mtpflow.train.loop import _load_target
+
+    ck = make_checkpoint(tmp_path, seed=0, depth=1)
+    s = train(ck, {"from_target": True}, "selfgen:8:24", tmp_path / "out", steps=2, lr=0.0, warmup=1, batch_size=4,
+              progress=False, kind="mtp", max_len=64)
+    assert s["depth"] == 1 and np.isfinite(s["final"]["loss"])
+    t = _load_target(ck)
+    toks = mx.array([list(range(3, 30))], dtype=mx.int32)
+    a = _head_logits(load_head(ck, t.model, "float32")[1], t, toks)
+    b = _head_logits(load_head(tmp_path / "out", t.model, "float32", t.config)[1], t, toks)
+    assert np.abs(a[0] - b[0]).max() <= 1e-6
+
+
+def test_bad_options_are_one_line_errors(target):
+    from mtpflow.train.mtp import MTPTrainer
+
+    cfg = type("C", (), {"targets": "soft", "max_len": 64})()
+    with pytest.raises(ValueError, match="depth_weights needs 2 non-negative weights"):
+        MTPTrainer(target, {"depth": 2, "depth_weights": [1.0]}, [], cfg)
+    with pytest.raises(ValueError, match="unknown mtp drafter option.*depht"):
+        MTPTrainer(target, {"depht": 2}, [], cfg)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        MTPTrainer(target, {"depth": 0}, [], cfg)

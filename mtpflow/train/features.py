@@ -18,7 +18,7 @@ Layout of ``DIR`` (resumable: finished shards are kept and skipped)::
 
     DIR/meta.json                 {"target": ..., "hidden_size", "kv": {type: [KVH, hd]}, ...}
     DIR/shard-00000.npz           tokens, loss, offsets, hidden (fp16), k_<type>, v_<type> (fp16)
-                                  [, argmax] [, taps (fp16): the layers meta.json's "taps" names]
+                                  [, argmax] [, tap_<layer> (fp16): each layer meta.json's "taps" names]
 
 :func:`collect_text` keeps the same features for text the target did not write
 (``cache:`` data, ``DIR`` = ``OUT/features-cache``), teacher-forced, plus the
@@ -30,7 +30,17 @@ and ``python -m mtpflow.train.features --bench --target T`` measures it
 (:func:`bench`).
 
 Features of one example ``n`` tokens long: ``hidden [n, D]``, ``k/v [KVH, n, hd]``
-per store-layer type (positions ``0..n-1`` in order).
+per store-layer type (positions ``0..n-1`` in order), ``tap_<l> [n, D]`` per layer tap.
+
+One ``cache:`` folder serves every kind (``--cache-dir``): the post-norm
+hidden state (what the MTP kind reads, with the target's own embedding), the
+store-layer K/V (the assistant kind; collected only when a kind that reads
+them asks, ``kv=True``) and layer taps keyed by layer id (EAGLE-3's aux
+layers, DFlash's context layers: a kind reads the subset it needs,
+:func:`load_features` ``taps=``).  A collection asking for a subset of what a
+folder holds reuses it (and resumes with the folder's own choice); a folder
+lacking a layer or the K/V a kind reads is refused with what to do (collect
+the union once, ``--cache-taps``).
 """
 
 from __future__ import annotations
@@ -58,9 +68,11 @@ class FeatureExample:
     #: (-1 elsewhere); ``None`` when the tokens after the prompt are the target's own greedy
     #: output (then the argmax is the next token)
     argmax: np.ndarray | None = None
-    #: fp16 [n, len(layers) * D]: the target's states at the layer taps a collection asked
-    #: for (``collect_text(taps=...)``, the EAGLE-3 / DFlash kinds), concatenated in that order
+    #: fp16 [n, len(layers) * D]: the target's states at layer taps (``collect_text(taps=...)``,
+    #: the EAGLE-3 / DFlash kinds), concatenated in the order of ``tap_layers``
     taps: np.ndarray | None = None
+    #: the layer ids of ``taps``, in order
+    tap_layers: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -145,12 +157,13 @@ def _argmax(target, H, rows=None):
     return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def text_features_async(target, examples, chunk: int | None = CHUNK, taps=()):
+def text_features_async(target, examples, chunk: int | None = CHUNK, taps=(), kv: bool = True):
     """Queue the teacher-forced feature computation of ``examples`` (see
     :func:`text_features`) on the device and return ``finish``, which waits
     for it and returns the :class:`FeatureExample` list -- so the host can
     write the previous batch while this one computes.  ``taps``: target layer
-    ids whose states each example also keeps (:attr:`FeatureExample.taps`)."""
+    ids whose states each example also keeps (:attr:`FeatureExample.taps`);
+    ``kv``: keep the store-layer K/V (only the assistant kind reads them)."""
     import mlx.core as mx
 
     B = len(examples)
@@ -179,7 +192,7 @@ def text_features_async(target, examples, chunk: int | None = CHUNK, taps=()):
             where.append((rows // c, s + rows % c))
     H16 = mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0]
     T16 = (mx.concatenate(ts, axis=1) if len(ts) > 1 else ts[0]) if taps else None
-    views = target.shared_kv(cache)
+    views = target.shared_kv(cache) if kv else {}
     kv = {t: (v.keys.astype(mx.float16), v.values.astype(mx.float16), v.positions) for t, v in views.items()}
     arrays = [H16, *ams] + [x for triple in kv.values() for x in triple] + ([T16] if taps else [])
     mx.async_eval(arrays)
@@ -197,6 +210,7 @@ def text_features_async(target, examples, chunk: int | None = CHUNK, taps=()):
             ex = _row(Hn, kvs, r, a, np.asarray(e.tokens, np.int32), np.asarray(e.loss, bool), amn[r, a:])
             if Tn is not None:
                 ex.taps = Tn[r, a: a + len(ex)].astype(FEATURE_DTYPE, copy=False)
+                ex.tap_layers = tuple(int(t) for t in taps)
             out.append(ex)
         return out
 
@@ -243,8 +257,10 @@ def _save_shard(path: Path, exs: list[FeatureExample]) -> None:
     }
     if exs[0].argmax is not None:
         arrays["argmax"] = np.concatenate([e.argmax for e in exs])
-    if exs[0].taps is not None:
-        arrays["taps"] = np.concatenate([e.taps for e in exs])
+    if exs[0].taps is not None:  # one array per layer: a kind reads the layers it needs
+        D = exs[0].hidden.shape[1]
+        for j, lid in enumerate(exs[0].tap_layers):
+            arrays[f"tap_{lid}"] = np.concatenate([e.taps[:, j * D: (j + 1) * D] for e in exs])
     for t in exs[0].kv:
         arrays["k_" + _tag(t)] = np.concatenate([e.kv[t][0] for e in exs], axis=1)
         arrays["v_" + _tag(t)] = np.concatenate([e.kv[t][1] for e in exs], axis=1)
@@ -256,30 +272,54 @@ def _save_shard(path: Path, exs: list[FeatureExample]) -> None:
     tmp.replace(path)
 
 
-def load_features(folder) -> list[FeatureExample]:
-    """Every example of every finished shard of ``folder``."""
+def load_features(folder, taps=None, kv: bool | None = None) -> list[FeatureExample]:
+    """Every example of every finished shard of ``folder``.  ``taps``: the
+    layer taps to read, concatenated in that order (default: all the folder
+    holds, in its order; ``()``: none); ``kv``: read the K/V (``True``: the
+    folder must hold them, ``False``: leave them on disk, ``None``: if held)."""
     folder = Path(folder)
     meta_f = folder / "meta.json"
     if not meta_f.is_file():
         raise FileNotFoundError(f"{folder}: no meta.json; collect features first (mtpflow train --data distill:...)")
     meta = json.loads(meta_f.read_text())
+    stored = [int(t) for t in meta.get("taps") or ()]
+    taps = stored if taps is None else [int(t) for t in taps]
+    missing = sorted(set(taps) - set(stored))
+    if missing:
+        raise ValueError(f"{folder} holds the target layers {stored}, not {missing}: collect a folder with every "
+                         "layer the kinds read (--cache-taps) or use a new --cache-dir")
+    if kv is None:
+        kv = bool(meta.get("kv"))
+    if kv and not meta.get("kv"):
+        raise ValueError(f"{folder} was collected without the store-layer K/V the assistant kind reads: "
+                         "use a new --cache-dir for it")
     out = []
     for f in sorted(folder.glob("shard-*[0-9].npz")):
         # read each array once: ``NpzFile[key]`` reads it from disk anew on every access, and a
         # slice of that copy would pin a whole shard's array per example
         try:
             with np.load(f) as npz:
-                z = {k: npz[k] for k in npz.files}
+                want = [k for k in npz.files if not (k.startswith("tap") or (not kv and k[:2] in ("k_", "v_")))]
+                z = {k: npz[k] for k in want}
+                if taps and "taps" in npz.files:  # (a folder written before taps were stored per layer)
+                    both = npz["taps"]
+                    D = both.shape[1] // len(stored)
+                    z.update({f"tap_{t}": both[:, i * D: (i + 1) * D] for i, t in enumerate(stored) if t in taps})
+                else:
+                    z.update({f"tap_{t}": npz[f"tap_{t}"] for t in taps})
         except Exception as exc:  # (a shard written before shards were fsynced, or damaged since)
             raise ValueError(f"{f}: unreadable feature shard ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                              "delete it and rerun: the collection computes that shard again") from None
         off = z["offsets"]
+        # the taps of a shard concatenated once (each example a view of it)
+        both = np.concatenate([z[f"tap_{t}"] for t in taps], axis=1) if taps else None
         for i in range(len(off) - 1):
             a, b = int(off[i]), int(off[i + 1])
-            kv = {t: (z["k_" + _tag(t)][:, a:b], z["v_" + _tag(t)][:, a:b]) for t in meta["kv"]}
+            kvs = {t: (z["k_" + _tag(t)][:, a:b], z["v_" + _tag(t)][:, a:b]) for t in meta["kv"]} if kv else {}
             am = z["argmax"][a:b] if "argmax" in z else None
-            tp = z["taps"][a:b] if "taps" in z else None
-            out.append(FeatureExample(z["tokens"][a:b], z["loss"][a:b], z["hidden"][a:b], kv, am, tp))
+            tp = both[a:b] if both is not None else None
+            out.append(FeatureExample(z["tokens"][a:b], z["loss"][a:b], z["hidden"][a:b], kvs, am, tp,
+                                      tuple(taps) if taps else None))
     return out
 
 
@@ -301,22 +341,34 @@ def collect(target, prompts: list[list[int]], folder, *, max_new: int = 128, bat
 
 
 def collect_text(target, examples, folder, *, batch_size: int = 8, max_time_s: float | None = None,
-                 progress: bool = True, ranks=None, chunk: int | None = CHUNK, taps=()) -> dict:
+                 progress: bool = True, ranks=None, chunk: int | None = CHUNK, taps=(), kv: bool = True) -> dict:
     """Teacher-forced features (:func:`text_features`) of ``examples``
     (``Example``-like: ``tokens``, ``loss``) in ``folder``, shard by shard and
     resumable like :func:`collect`; the next batch computes on the device
     while the host copies and writes the previous one.  ``taps``: target
-    layer ids whose states are kept too (the EAGLE-3 / DFlash kinds' inputs);
-    a folder holds one choice of taps."""
+    layer ids whose states are kept too (the EAGLE-3 / DFlash kinds' inputs),
+    one array per layer; ``kv``: keep the store-layer K/V (the assistant
+    kind).  A folder that holds these layers (and K/V when asked) already,
+    and more, is reused as it is: kinds share one collection."""
     meta = {"target": str(getattr(target, "path", "")), "hidden_size": target.hidden_size, "kind": "text",
             "num_examples": len(examples), "batch_size": batch_size,
-            "kv": {t: None for t in sorted(target.store_layers)},
+            "kv": {t: None for t in sorted(target.store_layers)} if kv else {},
             "examples_sha256": _sha([[list(map(int, e.tokens)), np.flatnonzero(e.loss).tolist()] for e in examples])}
     if taps:
-        meta["taps"] = [int(t) for t in taps]
-    return _collect(folder, meta, ["kind", "num_examples", "batch_size", "examples_sha256", "taps"],
+        meta["taps"] = sorted({int(t) for t in taps})
+    old_f = Path(folder) / "meta.json"
+    if old_f.is_file():  # a folder holding more than this asks for serves it (and resumes as it was begun)
+        old = json.loads(old_f.read_text())
+        same = all(old.get(k) == meta.get(k) for k in ("kind", "num_examples", "batch_size", "examples_sha256"))
+        if same and set(meta.get("taps") or ()) <= set(old.get("taps") or ()) and (not kv or old.get("kv")):
+            meta["taps"], meta["kv"] = old.get("taps"), old.get("kv")
+            if not meta["taps"]:
+                meta.pop("taps")
+    stored = tuple(meta.get("taps") or ())
+    keep_kv = bool(meta["kv"])
+    return _collect(folder, meta, ["kind", "num_examples", "batch_size", "examples_sha256", "taps", "kv"],
                     [len(e.tokens) for e in examples],
-                    lambda idx: text_features_async(target, [examples[i] for i in idx], chunk, tuple(taps)),
+                    lambda idx: text_features_async(target, [examples[i] for i in idx], chunk, stored, keep_kv),
                     batch_size, max_time_s, progress, "text features", "loss", ranks)
 
 

@@ -542,7 +542,8 @@ def train_kind(kind: str, target, drafter_options, data_spec, out: Path, cfg, ex
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())
     taps = tap_layers(kind, target, drafter_options)  # what the drafter reads: cache: features keep them
-    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks, taps=taps)
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks, taps=taps,
+                                                            kv=False)
     mx.random.seed(cfg.seed)
     trainer = (Eagle3Trainer if kind == "eagle3" else DFlashTrainer)(target, drafter_options, examples, cfg)
     if feats is not None and any(f.taps is not None for f in feats):

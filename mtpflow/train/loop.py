@@ -117,6 +117,12 @@ class TrainConfig:
     grad_checkpoint: bool = False
     #: quantize the frozen target to 4 or 8 bits before training (None: as loaded)
     target_bits: int | None = None
+    #: ``cache:`` data: the features folder (default ``OUT/features-cache``); kinds trained on the
+    #: same data share one (each reads the layers it needs)
+    cache_dir: str | None = None
+    #: ``cache:`` data: target layers collected besides the kind's own, so that other kinds can
+    #: train from the same ``cache_dir`` (e.g. EAGLE-3's and DFlash's layers together)
+    cache_taps: tuple = ()
 
     def __post_init__(self):
         if self.step_weights not in ("geometric", "position"):
@@ -672,14 +678,15 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
 
 # ------------------------------------------------------------------------------ train
 def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None, ranks: Ranks | None = None,
-                  taps=()):
+                  taps=(), kv: bool = True):
     """``(examples, feats, distill_summary, cache_summary)`` of a data spec:
     ``distill:`` / ``cache:`` parts are collected (resumably) into
     ``out/features`` / ``out/features-cache`` and loaded (``feats``, and their
     tokens as ``examples``); other specs load as token examples.  With
     several ``ranks`` each collects its share of the shards, then all load
     the whole folder.  ``taps``: target layers whose states ``cache:``
-    features keep too (the EAGLE-3 / DFlash kinds)."""
+    features keep too (the EAGLE-3 / DFlash kinds), read in this order;
+    ``kv``: the kind reads the store-layer K/V (the assistant kind)."""
     feats = None
     distill = cache_summary = None
     feature_parts = _feature_parts(data_spec) if examples is None and isinstance(data_spec, str) else None
@@ -695,13 +702,14 @@ def training_data(target, data_spec, out: Path, cfg: TrainConfig, examples=None,
                 distill = feat_mod.collect(target, prompts, out / "features", max_new=cfg.distill_tokens,
                                            batch_size=cfg.distill_batch, max_time_s=cfg.distill_time_s,
                                            progress=cfg.progress, ranks=ranks)
-                feats += feat_mod.load_features(out / "features")
+                feats += feat_mod.load_features(out / "features", kv=kv)
             else:
                 texts = data_mod.load_examples(spec, tok, max_len=cfg.max_len, target=target, seed=cfg.seed)
-                cache_summary = feat_mod.collect_text(target, texts, out / "features-cache", batch_size=cfg.cache_batch,
+                folder = Path(cfg.cache_dir) if cfg.cache_dir else out / "features-cache"
+                cache_summary = feat_mod.collect_text(target, texts, folder, batch_size=cfg.cache_batch,
                                                       max_time_s=cfg.cache_time_s, progress=cfg.progress, ranks=ranks,
-                                                      taps=taps)
-                feats += feat_mod.load_features(out / "features-cache")
+                                                      taps=tuple(taps) + tuple(cfg.cache_taps), kv=kv)
+                feats += feat_mod.load_features(folder, taps=tuple(taps), kv=kv)
         if not feats:
             raise data_mod.DataError(f"data spec {data_spec!r}: no features collected yet (a time limit of 0?); "
                                      "rerun with a longer --distill-time / --cache-time")
@@ -867,6 +875,12 @@ def add_train_arguments(p) -> None:
                    help="micro-batches per optimizer step (same gradient, batch/N rows of activations at a time)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute the drafter layers' activations in the backward pass instead of keeping them")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache: data: the features folder (default: OUT/features-cache); kinds trained on the same data "
+                        "share one, each reading the target layers it needs")
+    p.add_argument("--cache-taps", default="",
+                   help="cache: data: more target layer ids to collect (comma-separated) so other kinds can train from "
+                        "the same --cache-dir (default: only the kind's own)")
     p.add_argument("--tap-cache-mb", type=float, default=0.0,
                    help="eagle3 / dflash: keep the target's hidden states and layer taps of up to this many MiB of "
                         "examples in memory, so later epochs skip the target forward (default: 0, off)")
@@ -881,9 +895,10 @@ def run_train(args) -> int:
         checkpoint_every=args.checkpoint_every, max_time_s=args.max_time, save_dtype=args.save_dtype,
         progress=not args.no_progress, distill_tokens=args.distill_tokens, distill_batch=args.distill_batch,
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
-        kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb,
+        kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb, cache_dir=args.cache_dir,
         schedule=args.schedule, dpace_alpha=args.dpace_alpha, target_bits=args.target_bits, optimizer=args.optimizer,
         grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
+        cache_taps=tuple(int(t) for t in args.cache_taps.split(",") if t.strip()),
     )
     try:
         summary = train(args.target, dc, args.data, args.out, config=cfg)

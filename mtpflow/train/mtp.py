@@ -259,16 +259,21 @@ class MTPTrainer:
         self.config_id = {"kind": "mtp", "depth": depth, "from_target": from_target,
                           "depth_weights": None if w is None else [float(x) for x in w]}
 
-    def batch(self, H: mx.array, toks_np, lmask_np, lens_np):
+    def batch(self, H: mx.array, toks_np, lmask_np, lens_np, argmax_np=None):
         """Pack one step's examples (``H [B, T, H]`` the target's post-norm
-        states of the padded batch) and make the labels."""
+        states of the padded batch) and make the labels.  ``argmax_np [B, T]``:
+        the target's greedy token wherever the next token carries loss (cached
+        features), the hard labels without an LM-head product."""
         src, seg, pos = pack_plan(lens_np, self.max_len)
         src_mx = mx.array(src)
         Hp = _sg(gather_packed(H, src_mx))
         toks = mx.array(toks_np.reshape(-1)[src])
         lmask = mx.array(lmask_np.reshape(-1)[src] & (seg > 0))
-        logits = self.target.logits(Hp)
-        labels = _sg(logits if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
+        if self.targets == "hard" and argmax_np is not None:
+            labels = mx.array(np.maximum(argmax_np.reshape(-1)[src], 0).astype(np.int32))
+        else:
+            logits = self.target.logits(Hp)
+            labels = _sg(logits if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
         return (Hp, labels, toks, mx.array(seg), mx.array(pos), lmask)
 
     def loss(self, model, H, labels, toks, seg, pos, lmask):
@@ -276,6 +281,17 @@ class MTPTrainer:
 
     def save(self, out, dtype=None):
         save_native(self.model, self.target, out, dtype)
+
+
+def _argmax(f) -> np.ndarray:
+    """A cached example's target argmax wherever the next token carries loss
+    (``distill:`` features: the next token itself, the target's greedy output)."""
+    if f.argmax is not None:
+        return f.argmax
+    am = np.full(len(f), -1, np.int32)
+    nxt = np.nonzero(f.loss[1:])[0]
+    am[nxt] = f.tokens[nxt + 1]
+    return am
 
 
 def train_mtp(target, drafter_options, data_spec, out: Path, cfg, examples=None, ranks=None) -> dict:
@@ -290,20 +306,24 @@ def train_mtp(target, drafter_options, data_spec, out: Path, cfg, examples=None,
     ranks = ranks or world()
     if isinstance(drafter_options, (str, Path)) and not str(drafter_options).lstrip().startswith("{"):
         drafter_options = json.loads(Path(drafter_options).read_text())
-    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks)
+    examples, feats, distill, cache_summary = training_data(target, data_spec, out, cfg, examples, ranks, taps=(),
+                                                            kv=False)
     mx.random.seed(cfg.seed)
     trainer = MTPTrainer(target, drafter_options, examples, cfg)
 
     def make_batch(step, rows):
         idx = data_mod.batch_indices(len(examples), cfg.batch_size, cfg.seed, step, rows)
         toks_np, loss_np, lens_np = data_mod.batches(examples, cfg.batch_size, cfg.seed, step, idx=idx)
-        if feats is not None:  # the cached post-norm states, zero-padded
+        argmax = None
+        if feats is not None:  # the cached post-norm states, zero-padded, and the target's argmax
             T = toks_np.shape[1]
             H = mx.array(np.stack([np.pad(feats[int(i)].hidden, ((0, T - len(feats[int(i)])), (0, 0))) for i in idx]))
             H = H.astype(mx.float32)
+            argmax = np.stack([np.pad(_argmax(feats[int(i)]), (0, T - len(feats[int(i)])), constant_values=-1)
+                               for i in idx])
         else:
             H, _ = target_states(target, mx.array(toks_np), ())
-        return trainer.batch(H, toks_np, loss_np, lens_np), lens_np
+        return trainer.batch(H, toks_np, loss_np, lens_np, argmax), lens_np
 
     step, acc_ema, tokens_seen, last, elapsed, speed = optimize(
         trainer.model, trainer.loss, make_batch, cfg, out, trainer.config_id, trainer.depth,
