@@ -194,7 +194,7 @@ def load_prompt_texts(name: str) -> tuple[list[str], bool]:
 def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     if tokenizer is None:
         raise BenchError("the target has no tokenizer; the bench needs one to encode the prompts")
-    from .engine import encode_prompt
+    from .prompts import encode_prompt
 
     out = []
     for t in texts:
@@ -208,9 +208,9 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
 
 def resolve_model_path(name: str, dtype: str = "float32") -> str:
     """A packaged GGUF name (``smollm2-135m``) -> its converted mlx-lm folder
-    (:func:`mtpflow.engine.resolve_model`); else unchanged."""
+    (:func:`mtpflow.resolve.resolve_model`); else unchanged."""
     from .convert.gguf import PACKAGED_GGUFS
-    from .engine import resolve_model
+    from .resolve import resolve_model
 
     return str(resolve_model(name, dtype)) if name in PACKAGED_GGUFS else name
 
@@ -415,7 +415,8 @@ class MTPFlowVariant(Variant):
     def run(self, prompts, max_tokens, collector):
         import attrs
 
-        from .engine import generate_stream, make_request
+        from .engine import generate_stream
+        from .prompts import make_request
         from .metrics import SpecDecodingStats
 
         s = self.session
@@ -524,7 +525,7 @@ def _load_mlx_lm_draft(name: str, dtype: str):
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from .engine import resolve_model
+    from .resolve import resolve_model
 
     path = resolve_model(name, "float32" if dtype == "auto" else dtype)
     model, cfg = load_model(Path(path))
@@ -545,7 +546,7 @@ def _in_target_sessions(session) -> list[tuple]:
     import attrs
 
     from .api import InTargetDrafter, has
-    from .engine import DrafterOptions
+    from .session import DrafterOptions
 
     out = []
     t = session.target
@@ -609,7 +610,7 @@ def _config(args):
     target = resolve_model_path(args.target, gguf_dtype) if args.target else None
     draft = resolve_model_path(args.draft_model, gguf_dtype) if args.draft_model else None
     if target is None and draft is None and args.draft_kind is None:
-        from .engine import default_model_paths
+        from .resolve import default_model_paths
 
         t, d = default_model_paths()
         target, draft = str(t), str(d)
@@ -831,7 +832,7 @@ def run_bench(args) -> int:
     import mlx.core as mx
 
     from . import __version__
-    from .engine import load_session
+    from .session import load_session
 
     texts, chat_set = load_prompt_texts(args.prompts)
     if args.num_prompts:

@@ -156,8 +156,8 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 def _encode(session, text: str, chat: bool | None, system: str | None) -> list[int]:
     """``chat``: ``None`` = the chat template when the tokenizer has one (as
     ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text
-    (:func:`mtpflow.engine.prompt_ids`, which the Python API uses too)."""
-    from .engine import prompt_ids
+    (:func:`mtpflow.prompts.prompt_ids`, which the Python API uses too)."""
+    from .prompts import prompt_ids
 
     if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
@@ -197,7 +197,9 @@ def _generate(args, cfg, log) -> int:
     import time
 
     from . import api
-    from .engine import generate_stream, load_session, make_request
+    from .engine import generate_stream
+    from .prompts import make_request
+    from .session import load_session
     from .metrics import format_stats
 
     if args.seed is not None and not 0 <= args.seed < 2**63:
