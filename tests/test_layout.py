@@ -124,9 +124,7 @@ def test_the_graph_sees_module_and_function_level_imports():
 
 #: imports from one drafter kind's folder into another's (the list may only shrink): what
 #: kinds share lives in a neutral module (``mtpflow/drafters/base.py``, ``layers.py``)
-ALLOWED_CROSS_KIND: set[tuple[str, str]] = {
-    ("mtpflow.drafters.mtpflow_assistant.drafter", "mtpflow.drafters.gemma4_assistant.drafter"),
-}
+ALLOWED_CROSS_KIND: set[tuple[str, str]] = set()
 
 
 def _kind_of(module: str) -> str | None:
