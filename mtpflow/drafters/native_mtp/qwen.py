@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .families import Family, inner_model, text_config
+from .family import Family, inner_model, text_config
 
 #: the head's tensors stored zero-centred (``1 + w``) in Hugging Face checkpoints
 _CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
