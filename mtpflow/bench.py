@@ -194,7 +194,7 @@ def load_prompt_texts(name: str) -> tuple[list[str], bool]:
 def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     if tokenizer is None:
         raise BenchError("the target has no tokenizer; the bench needs one to encode the prompts")
-    from .engine import encode_prompt
+    from .prompts import encode_prompt
 
     out = []
     for t in texts:
@@ -208,9 +208,9 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
 
 def resolve_model_path(name: str, dtype: str = "float32") -> str:
     """A packaged GGUF name (``smollm2-135m``) -> its converted mlx-lm folder
-    (:func:`mtpflow.engine.resolve_model`); else unchanged."""
+    (:func:`mtpflow.resolve.resolve_model`); else unchanged."""
     from .convert.gguf import PACKAGED_GGUFS
-    from .engine import resolve_model
+    from .resolve import resolve_model
 
     return str(resolve_model(name, dtype)) if name in PACKAGED_GGUFS else name
 
@@ -415,7 +415,8 @@ class MTPFlowVariant(Variant):
     def run(self, prompts, max_tokens, collector):
         import attrs
 
-        from .engine import generate_stream, make_request
+        from .engine import generate_stream
+        from .prompts import make_request
         from .metrics import SpecDecodingStats
 
         s = self.session
@@ -524,7 +525,7 @@ def _load_mlx_lm_draft(name: str, dtype: str):
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from .engine import resolve_model
+    from .resolve import resolve_model
 
     path = resolve_model(name, "float32" if dtype == "auto" else dtype)
     model, cfg = load_model(Path(path))
@@ -545,7 +546,7 @@ def _in_target_sessions(session) -> list[tuple]:
     import attrs
 
     from .api import InTargetDrafter, has
-    from .engine import DrafterOptions
+    from .session import DrafterOptions
 
     out = []
     t = session.target
@@ -609,7 +610,7 @@ def _config(args):
     target = resolve_model_path(args.target, gguf_dtype) if args.target else None
     draft = resolve_model_path(args.draft_model, gguf_dtype) if args.draft_model else None
     if target is None and draft is None and args.draft_kind is None:
-        from .engine import default_model_paths
+        from .resolve import default_model_paths
 
         t, d = default_model_paths()
         target, draft = str(t), str(d)
@@ -820,32 +821,18 @@ def run_bench(args) -> int:
     blas = ensure_fast_blas()  # a no-op when mtpflow's CLI did it already
     started = time.perf_counter()
     args = apply_preset(args)
-    from .backend import fusion
-
     if args.repeats < 1 or args.max_tokens < 1 or args.warmup < 0:
         raise BenchError("--repeats and --max-tokens must be >= 1, --warmup >= 0")
     if not args.no_plots:
         from ._extras import require
 
         require("bench", "matplotlib")
-    import mlx.core as mx
-
-    from . import __version__
-    from .engine import load_session
 
     texts, chat_set = load_prompt_texts(args.prompts)
     if args.num_prompts:
         texts = texts[: args.num_prompts]
     cfg = _config(args)
-    import warnings
-
-    from .logs import null_logger
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        session = load_session(cfg, log=null_logger())
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
+    session = _load_bench_session(cfg)
     tok = session.tokenizer
     chat = {"on": True, "off": False}.get(args.chat_template, chat_set)
     chat = bool(chat and tok is not None and getattr(tok, "chat_template", None))
@@ -857,6 +844,52 @@ def run_bench(args) -> int:
         raise BenchError("nothing to run (no drafter and both baselines disabled)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    acc, peaks, failed, warmed = _measure(args, variants, prompts)
+    curve = verify_cost(session) if getattr(args, "verify_cost", False) else None
+    results, baselines = _results(variants, acc, peaks, failed)
+    result = {
+        "meta": _meta(args, cfg, session, prompts, chat, blas, warmed),
+        "baselines": {str(b): v.name for b, v in baselines.items()},
+        "variants": results,
+    }
+    if curve is not None:
+        result["verify_cost"] = {"context": VERIFY_CONTEXT, "batch": 1, "curve": curve}
+    result["wall_s"] = round(time.perf_counter() - started, 3)
+    ok = [d for d in results if "failed" not in d]
+    result["plots"] = []
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))  # the figures first
+    print(format_table(result), file=sys.stderr)
+    if args.repeats == 1:  # (also in bench.json's meta)
+        print(f"warning: {ONE_REPEAT}", file=sys.stderr)
+    if not args.no_plots:
+        result["plots"] = _plots({**result, "variants": ok}, out)
+        (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))
+    print(str(out / "bench.json"))
+    return 0
+
+
+def _load_bench_session(cfg):
+    """The session the variants share; its load warnings go to stderr."""
+    import warnings
+
+    from .logs import null_logger
+    from .session import load_session
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = load_session(cfg, log=null_logger())
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return session
+
+
+def _measure(args, variants, prompts) -> tuple[dict, dict, dict, set]:
+    """Warm up (every bucketed verify shape once, then ``args.warmup`` passes),
+    then run every variant ``args.repeats`` times (in a rotating order); each
+    variant's round collector, peak memory and failure, and the verify shapes
+    warmed."""
+    import mlx.core as mx
 
     bar = _progress(len(variants) * (args.warmup + args.repeats), args.no_progress)
     acc: dict[str, RoundCollector] = {v.name: RoundCollector() for v in variants}
@@ -895,8 +928,11 @@ def run_bench(args) -> int:
             bar.update(len(variants) - len(live))
     finally:
         bar.close()
+    return acc, peaks, failed, warmed
 
-    curve = verify_cost(session) if getattr(args, "verify_cost", False) else None
+
+def _results(variants, acc: dict, peaks: dict, failed: dict) -> tuple[list, dict]:
+    """Each variant's figures (or its failure), and the target-only baseline per batch size."""
     baselines: dict[int, Variant] = {}
     for v in variants:
         if v.kind == "target_only" and v.runs:
@@ -918,63 +954,54 @@ def run_bench(args) -> int:
         pk = peaks.get(v.name, (0, ""))
         d["peak_memory_bytes"], d["peak_memory_source"] = pk
         results.append(d)
+    return results, baselines
 
-    result = {
-        "meta": {
-            "mtpflow_version": __version__,
-            "mlx_version": getattr(mx, "__version__", None),
-            "mlx_lm_version": _version("mlx-lm"),
-            "device": str(mx.default_device()),
-            "blas": blas.get("status") if isinstance(blas, dict) else None,
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "target": str(cfg.model.model),
-            "draft_model": cfg.model.draft_model,
-            "draft_kind": session.draft_kind,
-            "mlx_lm_draft_model": args.mlx_lm_draft_model,
-            "dtype": {"setting": args.dtype, "ran": session.dtype},
-            "preset": getattr(args, "preset", None),
-            "profile": _profile(),
-            "prompts": args.prompts,
-            "num_prompts": len(prompts),
-            "prompt_tokens": [len(p) for p in prompts],
-            "chat_template": chat,
-            "max_tokens": args.max_tokens,
-            "repeats": args.repeats,
-            "warnings": [ONE_REPEAT] if args.repeats == 1 else [],
-            "warmup": args.warmup,
-            "warmed_verify_shapes": sorted(list(w) for w in warmed),  # [rows, tokens, tree], bucketed devices only
-            "policy": args.policy,
-            "block_sizes": args.block_sizes,
-            "batch_sizes": args.batch_sizes,
-            "ignore_eos": not args.stop_at_eos,
-            "sync_timing": args.sync_timing,
-            "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
-            "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
-            "fuse_ops": {"setting": cfg.generation.fuse_ops, "on": fusion.is_fused(session.target.model),
-                         "mlx_lm": "mlx-lm's own modules"},
-            "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
-            "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
-            "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",
-        },
-        "baselines": {str(b): v.name for b, v in baselines.items()},
-        "variants": results,
+
+def _meta(args, cfg, session, prompts, chat: bool, blas, warmed=()) -> dict:
+    """What was run, where and how (``bench.json``'s ``meta``)."""
+    import mlx.core as mx
+
+    from . import __version__
+    from .backend import fusion
+
+    return {
+        "mtpflow_version": __version__,
+        "mlx_version": getattr(mx, "__version__", None),
+        "mlx_lm_version": _version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "blas": blas.get("status") if isinstance(blas, dict) else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": str(cfg.model.model),
+        "draft_model": cfg.model.draft_model,
+        "draft_kind": session.draft_kind,
+        "mlx_lm_draft_model": args.mlx_lm_draft_model,
+        "dtype": {"setting": args.dtype, "ran": session.dtype},
+        "preset": getattr(args, "preset", None),
+        "profile": _profile(),
+        "prompts": args.prompts,
+        "num_prompts": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts],
+        "chat_template": chat,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "warnings": [ONE_REPEAT] if args.repeats == 1 else [],
+        "warmup": args.warmup,
+        "warmed_verify_shapes": sorted(list(w) for w in warmed),  # [rows, tokens, tree], bucketed devices only
+        "policy": args.policy,
+        "block_sizes": args.block_sizes,
+        "batch_sizes": args.batch_sizes,
+        "ignore_eos": not args.stop_at_eos,
+        "sync_timing": args.sync_timing,
+        "sampling": {k: getattr(cfg.sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")},
+        "submit_layers": {"setting": cfg.generation.submit_layers, "on": session.submit_layers},
+        "fuse_ops": {"setting": cfg.generation.fuse_ops, "on": fusion.is_fused(session.target.model),
+                     "mlx_lm": "mlx-lm's own modules"},
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))},
+        "tokens_per_s": "generated tokens / wall time of the run (prefill included), per repeat",
+        "ratio": "median tokens/s divided by the median tokens/s of the mlx_lm target-only run at the same batch size",
     }
-    if curve is not None:
-        result["verify_cost"] = {"context": VERIFY_CONTEXT, "batch": 1, "curve": curve}
-    result["wall_s"] = round(time.perf_counter() - started, 3)
-    ok = [d for d in results if "failed" not in d]
-    result["plots"] = []
-    (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))  # the figures first
-    print(format_table(result), file=sys.stderr)
-    if args.repeats == 1:  # (also in bench.json's meta)
-        print(f"warning: {ONE_REPEAT}", file=sys.stderr)
-    if not args.no_plots:
-        result["plots"] = _plots({**result, "variants": ok}, out)
-        (out / "bench.json").write_text(json.dumps(result, indent=2, default=_json_default))
-    print(str(out / "bench.json"))
-    return 0
 
 
 def _profile() -> dict:

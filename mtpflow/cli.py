@@ -156,8 +156,8 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 def _encode(session, text: str, chat: bool | None, system: str | None) -> list[int]:
     """``chat``: ``None`` = the chat template when the tokenizer has one (as
     ``mlx_lm.generate``), ``True`` = required, ``False`` = plain text
-    (:func:`mtpflow.engine.prompt_ids`, which the Python API uses too)."""
-    from .engine import prompt_ids
+    (:func:`mtpflow.prompts.prompt_ids`, which the Python API uses too)."""
+    from .prompts import prompt_ids
 
     if session.tokenizer is None:
         raise CLIError("this model has no tokenizer; pass --prompt-ids")
@@ -196,9 +196,9 @@ def cmd_generate(args) -> int:
 def _generate(args, cfg, log) -> int:
     import time
 
-    from . import api
-    from .engine import generate_stream, load_session, make_request
-    from .metrics import format_stats
+    from .engine import generate_stream
+    from .prompts import make_request
+    from .session import load_session
 
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise CLIError(f"--seed must be in [0, 2**63) (got {args.seed})")
@@ -216,6 +216,35 @@ def _generate(args, cfg, log) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
 
+    prompts, media = _cli_prompts(args, session)
+    _check_prompts(prompts, session.target.vocab_size, max_tokens, limit)
+    reqs = [make_request(session, p, request_id=str(i)) for i, p in enumerate(prompts)]
+    if media is not None:
+        reqs[0].media = media
+    outs: dict[str, list[int]] = {r.id: [] for r in reqs}
+    reasons: dict[str, str | None] = {}
+    stream = len(reqs) == 1 and not args.json and session.tokenizer is not None
+    printed = 0
+    t0 = time.perf_counter()
+    for ev in generate_stream(session, reqs):
+        outs[ev.request_id].extend(ev.tokens)
+        if ev.finished:
+            reasons[ev.request_id] = ev.finish_reason
+        if stream:
+            text = session.tokenizer.decode(outs[ev.request_id])
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    elapsed = time.perf_counter() - t0
+    ntok = sum(len(v) for v in outs.values())
+    stats, policy = _run_stats(session, elapsed, ntok)
+    _print_results(args, session, reqs, outs, reasons, stats, policy, ntok, stream)
+    return 0
+
+
+def _cli_prompts(args, session) -> tuple[list[list[int]], object]:
+    """The prompts' token ids (``--prompt-ids``, ``--prompts-file`` or
+    ``--prompt``) and the media of an ``--image`` / ``--audio`` prompt (or ``None``)."""
     if args.prompt_ids is not None:
         try:
             prompts = [[int(x) for x in args.prompt_ids.split(",") if x.strip()]]
@@ -242,7 +271,11 @@ def _generate(args, cfg, log) -> int:
         ids, media = encode_prompt_with_media(session, text, args.image, args.audio, chat=args.chat_template,
                                               system=args.system_prompt)
         prompts = [ids]
-    vocab = session.target.vocab_size
+    return prompts, media
+
+
+def _check_prompts(prompts, vocab: int, max_tokens: int, limit: int) -> None:
+    """Each prompt is non-empty, fits the context limit with ``max_tokens``, and stays in the vocabulary."""
     for p in prompts:
         if not p:
             raise CLIError("the prompt encodes to no tokens")
@@ -252,26 +285,13 @@ def _generate(args, cfg, log) -> int:
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise CLIError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    reqs = [make_request(session, p, request_id=str(i)) for i, p in enumerate(prompts)]
-    if media is not None:
-        reqs[0].media = media
-    outs: dict[str, list[int]] = {r.id: [] for r in reqs}
-    reasons: dict[str, str | None] = {}
-    stream = len(reqs) == 1 and not args.json and session.tokenizer is not None
-    printed = 0
-    t0 = time.perf_counter()
-    for ev in generate_stream(session, reqs):
-        outs[ev.request_id].extend(ev.tokens)
-        if ev.finished:
-            reasons[ev.request_id] = ev.finish_reason
-        if stream:
-            text = session.tokenizer.decode(outs[ev.request_id])
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-    elapsed = time.perf_counter() - t0
+
+
+def _run_stats(session, elapsed: float, ntok: int) -> tuple[dict, str | None]:
+    """The stats a run prints (``--json``'s ``stats``) and its block policy."""
+    from . import api
+
     stats = session.stats.as_dict()
-    ntok = sum(len(v) for v in outs.values())
     policy = session.config.draft.policy if session.drafter is not None else None
     stats.update(
         elapsed_s=round(elapsed, 4),
@@ -286,6 +306,13 @@ def _generate(args, cfg, log) -> int:
         batch_policy=session.selection.get("batch_policy"),
         draft_tree=session.config.draft.tree if session.drafter is not None else "off",
     )
+    return stats, policy
+
+
+def _print_results(args, session, reqs, outs: dict, reasons: dict, stats: dict, policy, ntok: int, stream: bool) -> None:
+    """The answers (unless streamed) and the stats, as text or ``--json``."""
+    from .metrics import format_stats
+
     decode = (lambda t: session.tokenizer.decode(t)) if session.tokenizer is not None else (lambda t: None)
     if args.json:
         results = [
@@ -304,7 +331,6 @@ def _generate(args, cfg, log) -> int:
                     print("\n---")  # a blank line and a rule between answers
                 print(decode(outs[r.id]) if session.tokenizer is not None else outs[r.id])
         print(format_stats(ntok, stats, policy), file=sys.stderr)
-    return 0
 
 
 def cmd_plugins(args) -> int:

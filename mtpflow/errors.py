@@ -7,3 +7,7 @@ class TargetError(ValueError):
 
 class IncompatibleDrafter(TargetError):
     """A drafter checkpoint does not fit the target (raised before any weight is read)."""
+
+
+class LoadError(ValueError):
+    """A model or drafter cannot be resolved or loaded."""

@@ -55,7 +55,7 @@ def exporter_for(drafter):
 def export(drafter: str, out: str, target: str, fmt: str | None = None, verifier_name: str | None = None,
            speculative_tokens: int = 3, dtype: str | None = None):
     from .config import load_config
-    from .engine import load_session
+    from .session import load_session
 
     session = load_session(load_config(overrides={"model": {"model": target, "draft_model": drafter}}))
     mod = exporter_for(session.drafter)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Session
+    from .session import Session
     from .state import AcceptResult, BatchState, DraftBlock, Request, RoundRecord, SharedKV, TreeShape, VerifyResult
 
 #: the ``register(name, obj)`` callback a registry hook receives

@@ -265,14 +265,35 @@ def process_logits(
         x = x[:, None, :]
     if x.ndim != 3:
         raise ValueError(f"logits must be [B, L, V] or [B, V], got {x.shape}")
-    B, L, V = x.shape
+    V = x.shape[2]
     if V != params.vocab_size:
         raise ValueError(f"logits vocab {V} != params.vocab_size {params.vocab_size}")
     x = x.astype(mx.float32)
 
-    def col(a):  # [B] -> [B, 1, 1]
-        return a[:, None, None]
+    x = _bias_and_penalties(x, params, context, appended, completion_start)
+    if params.all_greedy:
+        out = _one_hot_logprobs(x)
+        return out[:, 0, :] if squeeze else out
 
+    # 3. temperature
+    if params.use_temperature:
+        y = x / _col(params.temperature)
+    else:
+        y = x
+    y = _filter(y, params)
+    out = y - mx.logsumexp(y, axis=-1, keepdims=True)
+    if params.any_greedy:
+        out = mx.where(_col(params.greedy_rows), _one_hot_logprobs(x), out)
+    return out[:, 0, :] if squeeze else out
+
+
+def _col(a):  # [B] -> [B, 1, 1]
+    return a[:, None, None]
+
+
+def _bias_and_penalties(x, params: ProcessParams, context, appended, completion_start):
+    """Steps 1-2 of :func:`process_logits` on float32 ``x`` ``[B, L, V]``."""
+    B, L, V = x.shape
     # 1. logit bias
     if params.bias is not None:
         x = x + params.bias[:, None, :]
@@ -282,22 +303,19 @@ def process_logits(
             context = mx.zeros((B, 0), dtype=mx.int32)
         if params.use_repetition:
             present = presence_mask(context, V, appended=appended, length=L)
-            r = col(params.repetition_penalty)
+            r = _col(params.repetition_penalty)
             penalised = mx.where(x > 0, x / r, x * r)
             x = mx.where(present, penalised, x)
         if params.use_penalties:
             counts = token_counts(context, V, appended=appended, length=L, start=completion_start)
-            x = x - col(params.frequency_penalty) * counts - col(params.presence_penalty) * (counts > 0)
+            x = x - _col(params.frequency_penalty) * counts - _col(params.presence_penalty) * (counts > 0)
+    return x
 
-    if params.all_greedy:
-        out = _one_hot_logprobs(x)
-        return out[:, 0, :] if squeeze else out
 
-    # 3. temperature
-    if params.use_temperature:
-        y = x / col(params.temperature)
-    else:
-        y = x
+def _filter(y, params: ProcessParams):
+    """Steps 4-6 of :func:`process_logits`: top-k, top-p and min-p on the
+    tempered logits ``y`` (removed tokens set to ``-inf``)."""
+    V = y.shape[-1]
     # 4-6. filters: one descending sort shared by top-k and top-p -- of the
     # K = params.candidates largest values when every sampling row has a small
     # top-k (mx.topk is O(V); a full sort is the costliest op here), else of all V.
@@ -306,7 +324,7 @@ def process_logits(
         s = -mx.sort(-(mx.topk(y, K, axis=-1) if K < V else y), axis=-1)  # [B, L, K] descending
         if params.use_top_k:
             # greedy rows (neutral top_k = V) are clamped: their result is replaced below
-            k = col(mx.minimum(params.top_k, K) if K < V else params.top_k)  # [B,1,1] in [1, K]
+            k = _col(mx.minimum(params.top_k, K) if K < V else params.top_k)  # [B,1,1] in [1, K]
             kth = mx.take_along_axis(s, k - 1, axis=-1)  # [B, L, 1]
             y = mx.where(y < kth, _NEG_INF, y)
             s = mx.where(s < kth, _NEG_INF, s)
@@ -320,7 +338,7 @@ def process_logits(
             sp = mx.softmax(s, axis=-1)
         if params.use_top_p:
             excl = mx.cumsum(sp, axis=-1) - sp  # mass strictly before each rank
-            keep = (excl < col(params.top_p)) & (s > _NEG_INF)
+            keep = (excl < _col(params.top_p)) & (s > _NEG_INF)
             n_keep = mx.maximum(mx.sum(keep.astype(mx.int32), axis=-1, keepdims=True), 1)
             thresh = mx.take_along_axis(s, n_keep - 1, axis=-1)  # [B, L, 1]
             y = mx.where(y < thresh, _NEG_INF, y)
@@ -328,13 +346,9 @@ def process_logits(
         # p >= min_p * p_max  <=>  y >= y_max + log(min_p)  (renormalisation
         # by earlier filters preserves probability ratios and the max).
         ymax = mx.max(y, axis=-1, keepdims=True)
-        logm = mx.log(col(params.min_p))  # -inf for min_p == 0 -> keeps all
+        logm = mx.log(_col(params.min_p))  # -inf for min_p == 0 -> keeps all
         y = mx.where(y < ymax + logm, _NEG_INF, y)
-
-    out = y - mx.logsumexp(y, axis=-1, keepdims=True)
-    if params.any_greedy:
-        out = mx.where(col(params.greedy_rows), _one_hot_logprobs(x), out)
-    return out[:, 0, :] if squeeze else out
+    return y
 
 
 def _as_array(x: Any) -> mx.array:

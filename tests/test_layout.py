@@ -125,6 +125,35 @@ def test_the_graph_sees_module_and_function_level_imports():
     assert "mtpflow.engine" not in g["mtpflow.hookspecs"]  # for annotations only, under TYPE_CHECKING
 
 
+#: imports from one drafter kind's folder into another's (the list may only shrink): what
+#: kinds share lives in a neutral module (``mtpflow/drafters/base.py``, ``layers.py``)
+ALLOWED_CROSS_KIND: set[tuple[str, str]] = set()
+
+
+def _kind_of(module: str) -> str | None:
+    """The drafter kind folder ``module`` belongs to (``None``: not in one)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "drafters":
+        return None
+    folder = PKG / "drafters" / parts[2]
+    return parts[2] if folder.is_dir() else None
+
+
+def cross_kind_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, d) for m, deps in graph.items() for d in deps
+            if _kind_of(m) is not None and _kind_of(d) is not None and _kind_of(m) != _kind_of(d)}
+
+
+def test_drafter_kinds_import_shared_pieces_from_a_neutral_module():
+    found = cross_kind_imports(import_graph())
+    assert not found - ALLOWED_CROSS_KIND, f"a drafter kind imports another kind's folder: {sorted(found - ALLOWED_CROSS_KIND)}"
+    gone = ALLOWED_CROSS_KIND - found
+    assert not gone, f"gone: remove them from ALLOWED_CROSS_KIND: {sorted(gone)}"
+    assert cross_kind_imports({"mtpflow.drafters.eagle3.model": {"mtpflow.drafters.dflash.model", "mtpflow.drafters.base"},
+                               "mtpflow.drafters.base": {"mtpflow.drafters.ngram"}}) == {
+        ("mtpflow.drafters.eagle3.model", "mtpflow.drafters.dflash.model")}
+
+
 def long_functions() -> list[tuple[int, str]]:
     out = []
     for name, path in MODULES.items():

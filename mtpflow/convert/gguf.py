@@ -625,7 +625,7 @@ def _token_str(tokens: list[str], idx: int | None) -> str | None:
 
 def _build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """A ``tokenizers.Tokenizer`` plus the special-token info from metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
@@ -641,6 +641,47 @@ def _build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     bos = _token_str(tokens, ids["bos"])
     eos = _token_str(tokens, ids["eos"])
     unk = _token_str(tokens, ids["unknown"])
+
+    tok, post = _tokenizer_model(kind, meta, tokens, types, unk)
+
+    added = [
+        AddedToken(tokens[i], special=(t == _TT_CONTROL), normalized=False)
+        for i, t in enumerate(types)
+        if t in (_TT_CONTROL, _TT_USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+
+    single, pair, specials = "$A", "$A $B", []
+    if add_bos and bos is not None:
+        single, pair = f"{bos} {single}", f"{bos} $A {bos} $B"
+        specials.append((bos, ids["bos"]))
+    if add_eos and eos is not None:
+        single, pair = f"{single} {eos}", f"{pair} {eos}"
+        specials.append((eos, ids["eos"]))
+    if specials:
+        post.append(
+            processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+        )
+    if post:
+        tok.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
+
+    info = {
+        "bos": bos,
+        "eos": eos,
+        "unk": unk,
+        "pad": _token_str(tokens, ids["padding"]),
+        "ids": ids,
+        "add_bos": add_bos,
+        "add_eos": add_eos,
+        "tokens": tokens,
+    }
+    return tok, info
+
+
+def _tokenizer_model(kind: str | None, meta: dict[str, Any], tokens: list[str], types: list[int], unk: str | None):
+    """The ``tokenizers.Tokenizer`` of a GGUF tokenizer model (``gpt2``: byte-level
+    BPE; ``llama``: SentencePiece BPE), and its post-processors so far."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
 
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
@@ -677,39 +718,7 @@ def _build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         raise GGUFError(
             f"tokenizer model {kind!r} is not supported (supported: gpt2, llama)"
         )
-
-    added = [
-        AddedToken(tokens[i], special=(t == _TT_CONTROL), normalized=False)
-        for i, t in enumerate(types)
-        if t in (_TT_CONTROL, _TT_USER_DEFINED)
-    ]
-    tok.add_tokens(added)
-
-    single, pair, specials = "$A", "$A $B", []
-    if add_bos and bos is not None:
-        single, pair = f"{bos} {single}", f"{bos} $A {bos} $B"
-        specials.append((bos, ids["bos"]))
-    if add_eos and eos is not None:
-        single, pair = f"{single} {eos}", f"{pair} {eos}"
-        specials.append((eos, ids["eos"]))
-    if specials:
-        post.append(
-            processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-        )
-    if post:
-        tok.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
-
-    info = {
-        "bos": bos,
-        "eos": eos,
-        "unk": unk,
-        "pad": _token_str(tokens, ids["padding"]),
-        "ids": ids,
-        "add_bos": add_bos,
-        "add_eos": add_eos,
-        "tokens": tokens,
-    }
-    return tok, info
+    return tok, post
 
 
 def _eos_ids(info: dict[str, Any], arch: str) -> list[int]:

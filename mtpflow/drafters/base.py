@@ -1,4 +1,5 @@
-"""What drafter kinds share: the recommended block size a checkpoint carries."""
+"""What drafter kinds share: the recommended block size a checkpoint carries,
+the target adapter class a compatibility check reads, weight loading."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def recommended_block_size(config: dict, path: str | Path | None = None) -> int 
             if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                 return n + 1
     return None
+
+
+def target_class(target_config: dict):
+    """The target adapter class registered for the config's ``model_type``, in
+    the plugins of the session being loaded (:func:`mtpflow.plugins.current_plugins`)."""
+    from ..plugins import PluginError, current_plugins
+
+    mt = target_config.get("model_type")
+    try:
+        return current_plugins().targets.get(mt)
+    except PluginError as exc:
+        raise IncompatibleDrafter(f"target config.json: {exc}") from None
 
 
 def load_weights(model, path, dtype: str | None, what: str = "drafter checkpoint", defaults: dict | None = None) -> None:

@@ -29,7 +29,7 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 def _served_name(cfg) -> str:
     name = cfg.model.model
     if name is None:
-        from ..engine import DEFAULT_TARGET
+        from ..resolve import DEFAULT_TARGET
 
         return DEFAULT_TARGET
     p = Path(name).expanduser()

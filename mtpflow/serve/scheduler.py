@@ -254,7 +254,7 @@ class Scheduler:
     # ---- the thread ------------------------------------------------------------------
     def _load(self):
         from ..config import Config
-        from ..engine import Session, load_session
+        from ..session import Session, load_session
 
         observer = RoundObserver(self._jobs, self.metrics)
         extra = [observer, self.recorder, *self.plugins]

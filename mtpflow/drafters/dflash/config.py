@@ -118,7 +118,7 @@ def parse(config: dict) -> DFlashConfig:
 
 def check_compatible(target_config: dict, drafter_config: dict, drafter_path=None) -> DFlashConfig:
     """Raise :class:`IncompatibleDrafter` naming the first mismatch (config.json files only)."""
-    from ..mtpflow_assistant.config import target_class
+    from ..base import target_class
 
     cfg = parse(drafter_config)
     tc = target_class(target_config).text_config(target_config)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..mtpflow_assistant.model import MLP
+from ..layers import MLP
 
 from .config import DFlashConfig
 

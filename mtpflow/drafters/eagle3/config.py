@@ -172,7 +172,7 @@ def check_compatible(target_config: dict, drafter_config: dict, drafter_path=Non
     """Raise :class:`IncompatibleDrafter` naming the first mismatch (configs
     and safetensors header only); return the parsed config with its aux
     layer ids resolved (the defaults for the target's depth when absent)."""
-    from ..mtpflow_assistant.config import target_class
+    from ..base import target_class
 
     cfg = parse(drafter_config)
     tc = target_class(target_config).text_config(target_config)

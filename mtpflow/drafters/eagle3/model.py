@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..mtpflow_assistant.model import MLP
+from ..layers import MLP
 
 from ...targets.base import rope_at as _rope_at
 from .config import Eagle3Config

@@ -32,7 +32,7 @@ import attrs
 
 from ...targets.base import FULL, SLIDING
 from ...targets.mlxlm import _text
-from ..base import IncompatibleDrafter  # noqa: F401  (re-exported)
+from ..base import IncompatibleDrafter, target_class  # noqa: F401  (IncompatibleDrafter re-exported)
 from . import MODEL_TYPES
 
 LM_HEADS = ("target", "own")
@@ -61,18 +61,6 @@ class TrainOptions:
     rms_norm_eps: float | None = None
 
 
-
-
-def target_class(target_config: dict):
-    """The target adapter class registered for the config's ``model_type``, in
-    the plugins of the session being loaded (:func:`mtpflow.plugins.current_plugins`)."""
-    from ...plugins import PluginError, current_plugins
-
-    mt = target_config.get("model_type")
-    try:
-        return current_plugins().targets.get(mt)
-    except PluginError as exc:
-        raise IncompatibleDrafter(f"target config.json: {exc}") from None
 
 
 def target_geometry(target_config: dict) -> dict:

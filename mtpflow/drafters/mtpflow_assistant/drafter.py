@@ -1,8 +1,8 @@
 """The ``assistant`` drafter kind (``model_type: mtpflow_assistant``).
 
 The propose loop and the K/V hand-over masks are the Gemma 4 assistant's
-(:class:`~mtpflow.drafters.gemma4_assistant.drafter.Gemma4AssistantDrafter`),
-reused by subclassing: only loading, the model and the check differ.
+(:class:`~mtpflow.drafters.kv_sharing.KVSharingDrafter`, which both kinds
+subclass): only loading, the model and the check differ.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from ...targets.base import TargetError, read_config
 from ..base import head_class, load_weights
-from ..gemma4_assistant.drafter import Gemma4AssistantDrafter
+from ..kv_sharing import KVSharingDrafter
 from . import MODEL_TYPES
 from .config import check_compatible
 from .heads import head_name
@@ -53,7 +53,7 @@ def load_model(path, target, dtype: str | None = None, head_cls=None) -> Generic
     return model
 
 
-class GenericAssistantDrafter(Gemma4AssistantDrafter):
+class GenericAssistantDrafter(KVSharingDrafter):
     """KV-sharing MTP drafter for any target (reads ``hidden`` + ``shared_kv``)."""
 
     kind = "assistant"

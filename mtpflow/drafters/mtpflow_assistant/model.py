@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from ...targets.base import Ref as _Ref
 from ...targets.base import rope_at
+from ..layers import MLP
 
 
 class Attention(nn.Module):
@@ -45,19 +46,6 @@ class Attention(nn.Module):
         q = rope_at(rope, q, offset) if isinstance(offset, mx.array) and offset.ndim == 2 else rope(q, offset=offset)
         o = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (the drafters' shared MLP)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):

@@ -1,6 +1,6 @@
 """Family adapters: where a family keeps its MTP head and how to build it.
 
-A family adapter is a small class (see :class:`Family`); the drafter and the
+A family adapter is a small class (see :class:`.family.Family`); the drafter and the
 loader never branch on a family.  Register one by adding it to
 :data:`FAMILIES` (first match wins; :class:`NativeLayout` is the fallback for
 any mlx-lm target that states ``num_nextn_predict_layers``).
@@ -13,7 +13,7 @@ import re
 
 import mlx.nn as nn
 
-from .family import Family, inner_model, text_config
+from .family import Family, inner_model, text_config  # noqa: F401  (re-exported)
 from .module import COPIES, OWN
 from .qwen import QwenLayout
 

@@ -1,5 +1,5 @@
-"""The family adapter interface (:class:`Family`) and the config helpers every
-adapter uses; the adapters themselves are registered in :mod:`.families`."""
+"""The family adapter interface (:class:`Family`) and the helpers every
+adapter reads; the adapters themselves are listed in :mod:`.families`."""
 
 from __future__ import annotations
 
