@@ -121,7 +121,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="device: a few-minute accelerator run (null path and mlx-lm, chains at block sizes 2, 3, 5, "
                         "one tree, batches 1 and 4, each shape warmed once, plus the verify-cost curve); flags given "
-                        "explicitly win over the preset")
+                        "explicitly win over the preset (default: none, every flag as given)")
 
 
 # --------------------------------------------------------------------------------------
