@@ -37,6 +37,7 @@ def mtpflow_counts(args, prompts) -> dict:
         "model": {"model": args.model, "draft_model": args.draft_model, "dtype": args.dtype},
         "draft": {"block_size": max(args.block_sizes), "policy": "fixed"},
         "batch": {"max_batch_size": args.batch},
+        "generation": {"bucket_shapes": args.bucket_shapes},
     }), log=null_logger())
     refs = [target_only_greedy(s.target, p, args.max_tokens) for p in prompts]
     out = {"dtype": s.dtype, "runs": []}
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mlx-vlm", action="store_true")
+    p.add_argument("--bucket-shapes", default="auto", choices=["auto", "on", "off"],
+                   help="[generation] bucket_shapes for mtpflow's verifies (auto: the device's profile)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
