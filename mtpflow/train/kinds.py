@@ -170,6 +170,19 @@ def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: i
         yield logits
 
 
+def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, soft: bool):
+    """One step's (or depth's) unnormalised ``(loss_sum, correct, count)``: KL to the
+    target's log-distribution ``lab`` (``soft``) or the cross-entropy of the token
+    ``tgt``, summed over ``valid``; ``correct`` counts the drafter's argmax hitting ``tgt``."""
+    vf = valid.astype(mx.float32)
+    if soft:
+        per = (mx.exp(lab) * (lab - logp)).sum(-1)
+    else:
+        per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    correct = _sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+    return (per * vf).sum(), correct, _sg(vf.sum())
+
+
 def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: int, targets: str):
     """Unnormalised terms over the TTT steps: ``(per_step_loss_sum,
     per_step_correct, per_step_count)`` (:func:`mtpflow.train.loop.weighted_loss`)."""
@@ -186,15 +199,10 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
         # Speculators' rule (shift_batch + align_for_step): the term counts when the position whose distribution
         # is the label is a loss token of the row -- the last token's distribution (past the row's end) included
         valid = (tpos + 1 + j < lens[:, None]) & _shift(lmask, 1 + j)
-        vf = valid.astype(mx.float32)
-        tgt = mx.argmax(lab, axis=-1)
-        if targets == "soft":
-            per = (mx.exp(lab) * (lab - logp)).sum(-1)
-        else:
-            per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
-        sums.append((per * vf).sum())
-        correct.append(_sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32)))
-        counts.append(_sg(vf.sum()))
+        s, c, n = step_terms(logp, lab, mx.argmax(lab, axis=-1), valid, targets == "soft")
+        sums.append(s)
+        correct.append(c)
+        counts.append(n)
     return mx.stack(sums), mx.stack(correct), mx.stack(counts)
 
 

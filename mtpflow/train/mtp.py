@@ -50,6 +50,7 @@ import numpy as np
 
 from ..drafters.native_mtp.families import NativeLayout, family_for, text_config
 from ..targets.base import _TreeRope
+from .kinds import step_terms
 
 
 def _sg(x):
@@ -162,15 +163,10 @@ def mtp_loss_terms(head, target, H, labels, toks, seg, pos, lmask, targets: str 
         logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
         lab = _shift(lab_all, k)  # the target's distribution of x_{i+k+1}
         valid = (seg > 0) & (_shift(seg, k + 1) == seg) & _shift(lmask, k + 1)
-        vf = valid.astype(mx.float32)
-        tgt = mx.argmax(lab, axis=-1) if soft else lab
-        if soft:
-            per = (mx.exp(lab) * (lab - logp)).sum(-1)
-        else:
-            per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
-        sums.append((per * vf).sum())
-        correct.append(_sg(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32)))
-        counts.append(_sg(vf.sum()))
+        s, c, n = step_terms(logp, lab, mx.argmax(lab, axis=-1) if soft else lab, valid, soft)
+        sums.append(s)
+        correct.append(c)
+        counts.append(n)
     return mx.stack(sums), mx.stack(correct), mx.stack(counts)
 
 
