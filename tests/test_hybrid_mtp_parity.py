@@ -10,90 +10,29 @@ right after every rejected draft.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import attrs
-import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import RoundLog, quiet_log
+from mlx_vlm_parity import Reference
 
-from mtpflow.config import load_config
-from mtpflow.engine import generate_stream, load_session, make_request
-from mtpflow.plugins import make_plugin_manager
-
-FIX = Path(__file__).parent / "fixtures" / "native_mtp" / "qwen3_5"
-REF = json.loads((FIX / "reference.json").read_text())
-
-
-def _session(block: int, context: str, log=None):
-    ov = {"model": {"model": str(FIX), "draft_kind": "mtp"}, "draft": {"block_size": block, "policy": "fixed"},
-          "plugins": {"native_mtp": {"context": context}}}
-    pm = make_plugin_manager([log] if log is not None else [])
-    return load_session(load_config(overrides=ov), plugins=pm, log=quiet_log())
-
-
-def _decode(s, prompts, max_tokens):
-    """Greedy decode ``prompts`` together, never stopping early (mlx-vlm's loop has no EOS here)."""
-    reqs = [attrs.evolve(make_request(s, p, max_tokens=max_tokens, request_id=str(i)), stop_ids=frozenset())
-            for i, p in enumerate(prompts)]
-    out = {r.id: [] for r in reqs}
-    for ev in generate_stream(s, reqs):
-        out[ev.request_id].extend(ev.tokens)
-    return [out[r.id] for r in reqs]
-
-
-def _runs(block):
-    return [r for r in REF["runs"] if r["block_size"] == block]
+REF = Reference(Path(__file__).parent / "fixtures" / "native_mtp" / "qwen3_5")
 
 
 @pytest.mark.parametrize("block", [2, 4])
 def test_same_tokens_drafts_and_accepted_per_round(block):
-    log = RoundLog()
-    s = _session(block, "drafted", log)
-    assert s.draft_kind == "native_mtp"
-    drafted = []
-    propose = s.drafter.propose
-
-    def recording(*args, **kwargs):
-        d = propose(*args, **kwargs)
-        if d.n_draft:
-            drafted.append(d.tokens[0].tolist())
-        return d
-
-    s.drafter.propose = recording
-    for run in _runs(block):
-        log.records.clear()
-        drafted.clear()
-        (toks,) = _decode(s, [run["prompt"]], REF["max_tokens"])
-        assert toks == run["tokens"]
-        ours = [(r.drafted, r.accepted[0], t) for r, t in zip([r for r in log.records if r.drafted], drafted)]
-        theirs = list(zip(run["draft_lens"], run["accept_lens"], run["drafts"]))
-        # the last rounds size their blocks to the token budget differently
-        # (mlx-vlm counts the bonus of the last round in it, mtpflow does not)
-        n = 0
-        while n < min(len(ours), len(theirs)) and ours[n][0] == theirs[n][0]:
-            n += 1
-        assert n >= len(theirs) - (block - 1)
-        assert ours[:n] == theirs[:n]
-        assert 0 < sum(a for _, a, _ in ours[:n]) < sum(d for d, _, _ in ours[:n])  # accepted and rejected drafts
+    rounds = REF.rounds_match(block)
+    assert 0 < sum(a for _, a, _ in rounds) < sum(d for d, _, _ in rounds)  # accepted and rejected drafts
 
 
 def test_ragged_batch_gives_each_prompt_mlx_vlm_tokens_and_verified_context_accepts_as_much():
-    runs = _runs(3)
-    s = _session(3, "verified")
-    assert _decode(s, [r["prompt"] for r in runs], REF["max_tokens"]) == [r["tokens"] for r in runs]
+    runs = REF.runs(3)
+    s = REF.session(3, "verified")
+    assert REF.decode(s, [r["prompt"] for r in runs]) == [r["tokens"] for r in runs]
     st = s.stats.as_dict()
-    acc = [a for r in runs for a in r["accept_lens"]]
-    assert 1 + st["accepted_tokens"] / st["drafts"] >= 1 + sum(acc) / len(acc) - 1e-9
+    assert 1 + st["accepted_tokens"] / st["drafts"] >= REF.tau_of_theirs(3) - 1e-9
 
 
 def test_head_logits_match_mlx_vlm():
-    s = _session(3, "verified")
-    d = s.drafter
-    h = REF["head"]
-    tokens = mx.array(h["tokens"], dtype=mx.int32)
-    L = tokens.shape[1]
-    out = d._run(0, tokens, mx.array(h["hidden"]), mx.arange(L, dtype=mx.int32)[None], caches=d.family.make_caches())
-    np.testing.assert_allclose(np.array(s.target.logits(out)), np.array(h["logits"]), atol=1e-4, rtol=0)
+    ours, theirs = REF.head_logits(REF.session(3, "verified"))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
