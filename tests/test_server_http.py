@@ -24,17 +24,21 @@ def _app():
     async def health(request):
         return JSONResponse({"status": "ok"})
 
-    return Starlette(routes=[Route("/health", health)])
+    async def echo(request):
+        return JSONResponse({"bytes": len(await request.body())})
+
+    return Starlette(routes=[Route("/health", health), Route("/echo", echo, methods=["POST"])])
 
 
 @pytest.fixture()
 def limited():
-    """A server with a 0.5 s header timeout, a 1 s keep-alive and 4 KiB heads; its port."""
+    """A server with a 0.5 s header timeout, a 0.6 s body timeout, a 1 s keep-alive and 4 KiB heads; its port."""
     from mtpflow.serve.http import bind, listening_server, uvicorn_config
 
     sock = bind("127.0.0.1", 0)
     heard: list[int] = []
-    cfg = uvicorn_config(_app(), log_level="warning", header_timeout=0.5, timeout_keep_alive=1, max_header_size=4096)
+    cfg = uvicorn_config(_app(), log_level="warning", header_timeout=0.5, body_timeout=0.6,
+                         timeout_keep_alive=1, max_header_size=4096)
     srv = listening_server(cfg, sock, heard.append)
     t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
@@ -91,6 +95,25 @@ def test_half_a_header_or_nothing_is_closed_at_the_header_timeout(limited):
     big.close()
 
 
+def test_a_stalled_body_is_closed_and_a_slow_steady_one_is_answered(limited):
+    port = limited
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\nContent-Length: 40\r\n\r\n"
+    stalled = socket.create_connection(("127.0.0.1", port))
+    stalled.sendall(head + b"a" * 10)  # then nothing
+    assert _closed_within(stalled, 3.0) < 2.0
+    stalled.close()
+    steady = socket.create_connection(("127.0.0.1", port))
+    steady.sendall(head)
+    t0 = time.monotonic()
+    for _ in range(8):  # 1.6 s in all, longer than the body timeout, but never 0.6 s without a byte
+        steady.sendall(b"b" * 5)
+        time.sleep(0.2)
+    steady.settimeout(3)
+    reply = steady.recv(4096)
+    assert time.monotonic() - t0 > 0.6 and b"200 OK" in reply and b'{"bytes":40}' in reply, reply
+    steady.close()
+
+
 def _cli(capsys, *argv):
     from mtpflow.cli import main
 
@@ -106,6 +129,7 @@ def _cli(capsys, *argv):
     (("--host", "no.such.host.invalid"), "does not resolve"),
     (("--host", "203.0.113.7"), "cannot listen on 203.0.113.7"),  # not this machine's address
     (("--header-timeout", "0"), "--header-timeout"),
+    (("--body-timeout", "-1"), "--body-timeout"),
     (("--limit-concurrency", "-2"), "--limit-concurrency"),
     (("--max-header-size", "lots"), "--max-header-size"),
     (("--allowed-local-media-path", "/nonexistent/dir"), "is not a directory"),

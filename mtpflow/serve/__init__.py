@@ -67,7 +67,8 @@ Hardening
   ``GET /v1/stats`` reports its bytes and MLX's allocator counters.
 * **Connections** (:mod:`mtpflow.serve.http`): a connection whose request
   head is not complete ``--header-timeout`` seconds after it opened (or after
-  the head's first byte) is closed; idle keep-alive connections close after
+  the head's first byte) is closed, and so is one whose request body goes
+  ``--body-timeout`` seconds (default 30) without a byte; idle keep-alive connections close after
   ``--timeout-keep-alive``; a head past ``--max-header-size`` is a 400; past
   ``--limit-concurrency`` connections + requests new requests get 503.
 * **Startup**: ``--host`` / ``--port`` are checked and the socket bound before

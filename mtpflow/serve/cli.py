@@ -72,12 +72,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_MAX_IMAGE_PIXELS}, 4096 x 4096)")
     parser.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
                         help=f"pixels of all the images of one request (default {DEFAULT_MAX_REQUEST_PIXELS})")
-    from .http import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY,
+    from .http import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY,
                              DEFAULT_MAX_HEADER_SIZE)
 
     parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
                         help=f"seconds a connection may take to send its request line and headers; then it is closed "
                              f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                        help=f"seconds a request body may go without a byte before the connection is closed "
+                             f"(default {DEFAULT_BODY_TIMEOUT:g})")
     parser.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE,
                         help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_KEEP_ALIVE})")
     parser.add_argument("--max-header-size", default=None,
@@ -147,11 +150,15 @@ def media_limits_from_args(args):
 def _http_limits(args) -> dict:
     """uvicorn's limits from the flags (:func:`mtpflow.serve.http.uvicorn_config`), checked."""
     from ..config import ConfigError
-    from .http import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_HEADER_SIZE
+    from .http import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_LIMIT_CONCURRENCY,
+                       DEFAULT_MAX_HEADER_SIZE)
 
     ht = getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT)
     if not 0 < ht <= MAX_TIME:
         raise ConfigError(f"--header-timeout must be in (0, {MAX_TIME:.0f}] seconds")
+    bt = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT)
+    if not 0 < bt <= MAX_TIME:
+        raise ConfigError(f"--body-timeout must be in (0, {MAX_TIME:.0f}] seconds")
     ka = getattr(args, "timeout_keep_alive", DEFAULT_KEEP_ALIVE)
     if ka < 1:
         raise ConfigError("--timeout-keep-alive must be >= 1 second")
@@ -164,7 +171,7 @@ def _http_limits(args) -> dict:
             size = parse_size(args.max_header_size)
         except ValueError as exc:
             raise ConfigError(f"--max-header-size: {exc}") from None
-    return {"header_timeout": ht, "timeout_keep_alive": ka, "limit_concurrency": lc or None,
+    return {"header_timeout": ht, "body_timeout": bt, "timeout_keep_alive": ka, "limit_concurrency": lc or None,
             "max_header_size": size}
 
 

@@ -8,7 +8,9 @@
   a **header timeout**: :func:`header_timeout_protocol` is uvicorn's h11 protocol that closes a
   connection whose request head has not fully arrived within ``header_timeout`` seconds of its
   first byte (or of the connection opening), so connections that send nothing or half a header
-  cannot pile up.
+  cannot pile up; and a **body timeout**: a connection whose request body stalls (no byte of it
+  for ``body_timeout`` seconds while the body is incomplete and uvicorn is reading) is closed, so
+  a client that sends its head and then a trickle or nothing cannot hold a request open.
 * :func:`serve` runs uvicorn on the bound socket and prints "serving on ..." once it listens.
 
 Nothing here imports uvicorn at module level.
@@ -21,6 +23,8 @@ import socket
 
 #: seconds a connection may take to send its whole request head (``--header-timeout``)
 DEFAULT_HEADER_TIMEOUT = 10.0
+#: seconds a request body may go without a byte before its connection is closed (``--body-timeout``)
+DEFAULT_BODY_TIMEOUT = 30.0
 #: seconds an idle keep-alive connection stays open (``--timeout-keep-alive``; uvicorn's default)
 DEFAULT_KEEP_ALIVE = 5
 #: bytes of a request head: request line and headers (``--max-header-size``; h11's default)
@@ -67,20 +71,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def header_timeout_protocol(seconds: float):
+def header_timeout_protocol(seconds: float, body_seconds: float = DEFAULT_BODY_TIMEOUT):
     """uvicorn's h11 protocol class with a header timeout of ``seconds``: a
     connection is closed when its request head is not complete ``seconds``
     after the connection opened (first request) or after the head's first byte
     arrived (later requests; between requests uvicorn's keep-alive timeout
-    applies)."""
+    applies).  While a request body is incomplete, a connection that sends no
+    byte of it for ``body_seconds`` is closed too (the app sees a disconnect);
+    the clock does not run while uvicorn itself has paused reading (the app has
+    not consumed what arrived)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+    class TimeoutH11Protocol(H11Protocol):
         header_timeout = float(seconds)
+        body_timeout = float(body_seconds)
 
         def connection_made(self, transport) -> None:
-            self._head_timer = None
+            self._head_timer = self._body_timer = None
             super().connection_made(transport)
             self._arm_head_timer()
 
@@ -90,9 +98,13 @@ def header_timeout_protocol(seconds: float):
                 self._arm_head_timer()
             else:
                 self._cancel_head_timer()
+            self._cancel_body_timer()
+            if self.conn.their_state is h11.SEND_BODY:  # each byte of the body restarts its clock
+                self._arm_body_timer()
 
         def connection_lost(self, exc) -> None:
             self._cancel_head_timer()
+            self._cancel_body_timer()
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
@@ -109,16 +121,35 @@ def header_timeout_protocol(seconds: float):
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutH11Protocol
+        def _arm_body_timer(self) -> None:
+            if not self.transport.is_closing():
+                self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
+
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_timed_out(self) -> None:
+            self._body_timer = None
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                return
+            if getattr(getattr(self, "flow", None), "read_paused", False):  # waiting on the app, not the client
+                self._arm_body_timer()
+                return
+            self.transport.close()
+
+    return TimeoutH11Protocol
 
 
 def uvicorn_config(app, *, log_level: str = "info", header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-                   timeout_keep_alive: int = DEFAULT_KEEP_ALIVE, max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+                   body_timeout: float = DEFAULT_BODY_TIMEOUT, timeout_keep_alive: int = DEFAULT_KEEP_ALIVE,
+                   max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
                    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY, **kw):
     """A ``uvicorn.Config`` for ``app`` with mtpflow's connection limits (module docstring)."""
     import uvicorn
 
-    return uvicorn.Config(app, http=header_timeout_protocol(header_timeout), timeout_keep_alive=int(timeout_keep_alive),
+    return uvicorn.Config(app, http=header_timeout_protocol(header_timeout, body_timeout), timeout_keep_alive=int(timeout_keep_alive),
                           h11_max_incomplete_event_size=int(max_header_size), limit_concurrency=limit_concurrency,
                           log_level=log_level, lifespan="on", **kw)
 
@@ -146,6 +177,6 @@ def serve(config, sock: socket.socket, on_listening) -> None:
 
 
 __all__ = [
-    "DEFAULT_HEADER_TIMEOUT", "DEFAULT_KEEP_ALIVE", "DEFAULT_LIMIT_CONCURRENCY", "DEFAULT_MAX_HEADER_SIZE", "bind",
+    "DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT", "DEFAULT_KEEP_ALIVE", "DEFAULT_LIMIT_CONCURRENCY", "DEFAULT_MAX_HEADER_SIZE", "bind",
     "check_address", "header_timeout_protocol", "listening_server", "serve", "uvicorn_config",
 ]
