@@ -114,6 +114,15 @@ def test_health_models_stats(server, client):
     assert st["active_rows"] == 0 and st["max_context"] == 512 and "session" in st
 
 
+def test_an_idle_server_keeps_no_freed_buffers(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    deadline = time.monotonic() + 20
+    while (mem := _wait_idle(server)["mlx_memory"])["cache"] != 0:
+        assert time.monotonic() < deadline, mem  # MLX's buffer cache was not released when the batch went idle
+        time.sleep(0.05)
+    assert mem["peak"] > mem["active"] > 0
+
+
 def test_completion_matches_target_greedy(server, client):
     from mtpflow.engine import target_only_greedy
 

@@ -316,7 +316,12 @@ class Scheduler:
                 pass
 
     def _loop(self) -> None:
+        released = True
         while True:
+            if not released and not self._cmds and self.batcher.idle:
+                _release_buffers()  # the batch went idle: hand MLX's freed buffers back to the system
+                self.snapshot = {**self.snapshot, "mlx_memory": _mlx_memory()}
+                released = True
             with self._cond:
                 while not self._cmds and self.batcher.idle and not self._stop:
                     self._cond.wait()
@@ -328,6 +333,7 @@ class Scheduler:
                 self._handle(cmd)
             self._expire()
             if not self.batcher.idle:
+                released = False
                 t_step = time.perf_counter()
                 recoveries = self.batcher.recoveries
                 try:
@@ -539,6 +545,14 @@ class Scheduler:
             job.loop.call_soon_threadsafe(job.queue.put_nowait, msg)
         except RuntimeError:  # the event loop is gone
             pass
+
+
+def _release_buffers() -> None:
+    """Free MLX's buffer cache (buffers of finished requests kept for reuse): an idle server does
+    not keep the memory of its last burst (``GET /v1/stats``' ``mlx_memory.cache`` reads 0)."""
+    import mlx.core as mx
+
+    mx.clear_cache()
 
 
 def _mlx_memory() -> dict:
