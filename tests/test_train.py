@@ -11,7 +11,9 @@ from mlx.utils import tree_flatten
 
 from mtpflow.drafters.gemma4_assistant.masks import drafter_mask
 from mtpflow.train.data import Example, batches, iter_json_objects, to_messages
-from mtpflow.train.loop import step_weights, train, train_masks
+from mtpflow.drafters.mtpflow_assistant.train import train_masks
+from mtpflow.train.objective import step_weights
+from mtpflow.train.run import train
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 FAST = dict(batch_size=4, unroll=3, warmup=2, lr=3e-3, progress=False, checkpoint_every=4)
@@ -118,7 +120,7 @@ def test_batches_are_a_function_of_seed_and_step():
 
 
 def test_draft_vocab_ranks_by_training_and_extra_frequencies():
-    from mtpflow.train.loop import choose_draft_vocab
+    from mtpflow.train.objective import choose_draft_vocab
 
     ex = [Example(np.array([5, 5, 5, 6, 7], np.int32), np.array([1, 1, 1, 1, 0], bool))]
     assert choose_draft_vocab(ex, 10, 2).tolist() == [5, 6]  # 7 carries no loss
@@ -131,7 +133,7 @@ def test_draft_vocab_ranks_by_training_and_extra_frequencies():
 def test_training_with_a_draft_vocabulary_saves_the_ranked_one(target, examples, tmp_path):
     """``draft_vocab_size`` through ``train``: the saved head holds the data's most
     frequent answer tokens (plus EOS), and the drafter loads and drafts within them."""
-    from mtpflow.train.loop import choose_draft_vocab
+    from mtpflow.train.objective import choose_draft_vocab
 
     K = 64
     train(target, {**DRAFTER, "draft_vocab_size": K}, "selfgen", tmp_path / "dv", examples=examples, steps=2, **FAST)
