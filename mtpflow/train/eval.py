@@ -164,13 +164,9 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
     accepted prefix, so this equals :func:`evaluate` up to float rounding of
     the cached (float16) features; a row that ends at EOS does not draft past
     its end here.  Same keys as :func:`evaluate`."""
-    import mlx.core as mx
-
     from ..drafters.mtpflow_assistant.drafter import load_model
-    from ..drafters.mtpflow_assistant.train import feature_batch, unrolled_logp
     from ..engine import resolve_model
     from ..targets.base import read_config
-    from . import features as feat_mod
     from .target import load_target, load_tokenizer
 
     tgt = load_target(target)
@@ -183,19 +179,55 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
         prompts = load_prompts(prompts)
     ids = encode_prompts(load_tokenizer(tgt), prompts, chat)
     t0 = time.perf_counter()
-    stops = sorted(tgt.eos_ids)
+    exs = _greedy_answers(tgt, ids, features_dir, max_tokens, collect_batch)
+    t_collect = time.perf_counter() - t0
+    rounds, emitted, drafted, accepted, reached, n_tok = _replay(model, tgt, exs, block_size - 1, batch_size)
+    elapsed = time.perf_counter() - t0
+    result = {
+        "label": label,
+        "tau": round(emitted / rounds, 4) if rounds else None,
+        "acceptance_per_position": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "conditional_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
+        "acceptance_rate": round(float(accepted.sum() / drafted.sum()), 4) if drafted.sum() else 0.0,
+        "block_size": block_size,
+        "num_prompts": len(ids),
+        "max_tokens": max_tokens,
+        "tokens": n_tok,
+        "rounds": rounds,
+        "elapsed_s": round(elapsed, 2),
+        "collect_s": round(t_collect, 2),
+        "draft_kind": "assistant",
+        "mode": "offline",
+    }
+    if out_dir is not None:
+        write_report(result, out_dir)
+    return result
+
+
+def _greedy_answers(tgt, ids, features_dir, max_tokens: int, collect_batch: int) -> list:
+    """The target's greedy answers to ``ids`` with their features (cached in
+    ``features_dir`` when given, reused by later runs)."""
+    from . import features as feat_mod
+
     if features_dir is not None:
         feat_mod.collect(tgt, ids, features_dir, max_new=max_tokens, batch_size=collect_batch, progress=False)
-        exs = feat_mod.load_features(features_dir)
-    else:
-        exs = []
-        for s in range(0, len(ids), collect_batch):
-            exs += feat_mod.generate_features(tgt, ids[s: s + collect_batch], max_tokens, stops)
-    t_collect = time.perf_counter() - t0
-    k = block_size - 1
-    rounds = emitted = 0
+        return feat_mod.load_features(features_dir)
+    exs, stops = [], sorted(tgt.eos_ids)
+    for s in range(0, len(ids), collect_batch):
+        exs += feat_mod.generate_features(tgt, ids[s: s + collect_batch], max_tokens, stops)
+    return exs
+
+
+def _replay(model, tgt, exs, k: int, batch_size: int):
+    """The drafter's greedy rounds of ``k`` drafts along every answer of
+    ``exs``: ``(rounds, emitted, drafted[k], accepted[k], reached[k],
+    answer_tokens)`` summed over them (:func:`_round_counts`)."""
+    import mlx.core as mx
+
+    from ..drafters.mtpflow_assistant.train import feature_batch, unrolled_logp
+
+    rounds = emitted = n_tok = 0
     drafted, accepted, reached = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
-    n_tok = 0
     for s in range(0, len(exs), batch_size):
         idx = list(range(s, min(s + batch_size, len(exs))))
         tp, (toks, _, _) = feature_batch(exs, idx, tgt, model, unroll=max(k, 1))
@@ -218,26 +250,7 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
             drafted += out[2]
             accepted += out[3]
             reached += out[4]
-    elapsed = time.perf_counter() - t0
-    result = {
-        "label": label,
-        "tau": round(emitted / rounds, 4) if rounds else None,
-        "acceptance_per_position": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
-        "conditional_acceptance": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
-        "acceptance_rate": round(float(accepted.sum() / drafted.sum()), 4) if drafted.sum() else 0.0,
-        "block_size": block_size,
-        "num_prompts": len(ids),
-        "max_tokens": max_tokens,
-        "tokens": n_tok,
-        "rounds": rounds,
-        "elapsed_s": round(elapsed, 2),
-        "collect_s": round(t_collect, 2),
-        "draft_kind": "assistant",
-        "mode": "offline",
-    }
-    if out_dir is not None:
-        write_report(result, out_dir)
-    return result
+    return rounds, emitted, drafted, accepted, reached, n_tok
 
 
 def write_report(result: dict, out_dir) -> dict:

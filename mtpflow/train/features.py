@@ -395,27 +395,12 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     of all of them once all are done."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .parallel import device, rate_text, throughput, world
+    from .parallel import device, rate_text, world
 
     ranks = ranks or world()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta_f = folder / "meta.json"
-    if meta_f.is_file():
-        old = json.loads(meta_f.read_text())
-        # folders written before the prompt hash was recorded are checked without it
-        keys = keys + (["prompts_sha256"] if "prompts_sha256" in old else [])
-        if {k: old.get(k) for k in keys} != {k: meta.get(k) for k in keys}:
-            raise ValueError(f"{folder} holds features collected with other settings or data ({old}); use a new folder")
-    if ranks.main:
-        from .checkpoint import write_atomic
-
-        write_atomic(meta_f, json.dumps(meta, indent=2).encode())
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
-    # interleave short and long groups so a time-limited run covers every length
-    rng = np.random.default_rng(0)
-    groups = [groups[i] for i in rng.permutation(len(groups))]
+    _open_folder(folder, meta, keys, ranks)
+    groups = _groups(lengths, batch_size)
     mine = [g for g in range(len(groups)) if g % ranks.size == ranks.rank]
     todo = [g for g in mine if not (folder / f"shard-{g:05d}.npz").is_file()]
     bar = Progress(len(mine), len(mine) - len(todo), progress and ranks.main, desc=f"{label} [{device()['backend']}]")
@@ -457,8 +442,40 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     finally:
         writer.shutdown(wait=True)
         bar.close()
-    seconds = time.time() - t0
-    if ranks.size > 1:  # every rank's shards are written before anyone reads the folder
+    return _totals(ranks, n_ex, n_tok, n_loss, complete, time.time() - t0)
+
+
+def _open_folder(folder: Path, meta: dict, keys: list[str], ranks) -> None:
+    """Create ``folder``, refuse one collected with other ``keys`` of ``meta``, write ``meta.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta_f = folder / "meta.json"
+    if meta_f.is_file():
+        old = json.loads(meta_f.read_text())
+        # folders written before the prompt hash was recorded are checked without it
+        keys = keys + (["prompts_sha256"] if "prompts_sha256" in old else [])
+        if {k: old.get(k) for k in keys} != {k: meta.get(k) for k in keys}:
+            raise ValueError(f"{folder} holds features collected with other settings or data ({old}); use a new folder")
+    if ranks.main:
+        from .checkpoint import write_atomic
+
+        write_atomic(meta_f, json.dumps(meta, indent=2).encode())
+
+
+def _groups(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Groups of ``batch_size`` examples of similar length (shard ``g`` is group ``g``), short
+    and long groups interleaved so that a time-limited run covers every length."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+    rng = np.random.default_rng(0)
+    return [groups[i] for i in rng.permutation(len(groups))]
+
+
+def _totals(ranks, n_ex: int, n_tok: int, n_loss: int, complete: bool, seconds: float) -> dict:
+    """The collection's summary, over all ranks (every rank's shards are written before anyone
+    reads the folder)."""
+    from .parallel import throughput
+
+    if ranks.size > 1:
         import mlx.core as mx
 
         tot = np.array(ranks.sum(mx.array([n_ex, n_tok, n_loss, int(not complete)], mx.int32)))
