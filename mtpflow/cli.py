@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(b)
 
-    t = add("train", help="train a KV-sharing assistant drafter against a frozen target")
+    t = add("train", help="train a drafter (assistant, EAGLE-3, DFlash, MTP module) against a frozen target")
     from .train.cli import add_train_arguments
 
     add_train_arguments(t)

@@ -48,7 +48,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...targets.base import _TreeRope
+from ...targets.base import TreeRope
 from ...train import data as data_mod
 from ...train import target as frozen
 from ...train.kind import KindTrainer, add_data_summaries, read_options
@@ -119,10 +119,10 @@ def positions_at(module, positions: mx.array):
     saved = []
     for _, m in module.named_modules():
         rope = getattr(m, "rope", None)
-        if rope is not None and not isinstance(rope, _TreeRope) and hasattr(m, "__dict__"):
+        if rope is not None and not isinstance(rope, TreeRope) and hasattr(m, "__dict__"):
             saved.append((m, rope))
     for m, rope in saved:
-        m.rope = _TreeRope(rope, positions)
+        m.rope = TreeRope(rope, positions)
     try:
         yield
     finally:
