@@ -135,7 +135,7 @@ class Drafter(Protocol):
     :class:`CheckedDrafter`, :class:`RecognisingDrafter`,
     :class:`BlockSizeHint`, :class:`BlockDrafter`, :class:`BudgetDrafter`,
     :class:`HeadedDrafter`, :class:`InTargetDrafter`,
-    :class:`TargetCheckedDrafter`; and ``settings`` (see the module docstring).
+    :class:`TargetCheckedDrafter`, :class:`TrainableDrafter`; and ``settings`` (see the module docstring).
     """
 
     model_types: tuple[str, ...]
@@ -324,6 +324,20 @@ class TargetCheckedDrafter(Protocol):
 
 
 @runtime_checkable
+class TrainableDrafter(Protocol):
+    """A drafter kind that ``mtpflow train --kind NAME`` trains, NAME being its
+    ``train_kind`` (the registered name may differ: the native MTP kind trains
+    as ``mtp``).  ``trainer``: the kind's trainer, a
+    :class:`mtpflow.train.kind.KindTrainer` subclass or its ``"module:Class"``
+    path, imported only when training starts."""
+
+    #: the ``mtpflow train --kind`` name
+    train_kind: str
+    #: the trainer class, or ``"module:Class"``
+    trainer: Any
+
+
+@runtime_checkable
 class TreeSampler(Protocol):
     """A sampler that can verify trees (a sampler without it never sees one)."""
 
@@ -385,7 +399,7 @@ class PeekingBlockPolicy(Protocol):
 CAPABILITIES: dict[str, tuple[type, ...]] = {
     "drafters": (TreeDrafter, PrefillingDrafter, CommittingDrafter, CheckedDrafter, RecognisingDrafter,
                  BlockSizeHint, BlockDrafter, BudgetDrafter, HeadedDrafter, InTargetDrafter, TargetCheckedDrafter,
-                 LabelledDrafter),
+                 LabelledDrafter, TrainableDrafter),
     "samplers": (TreeSampler, LookaheadSafe, SessionBound),
     "block_policies": (PeekingBlockPolicy,),
     "targets": (LimitedTarget,),
@@ -516,7 +530,7 @@ __all__ = [
     "LMHead", "Sampler", "LogitsProcessor", "Drafter", "BlockPolicy", "BatchPolicy", "Target",
     "CAPABILITIES", "capabilities", "has", "TreeDrafter", "PrefillingDrafter", "CommittingDrafter", "CheckedDrafter",
     "RecognisingDrafter", "BlockSizeHint", "BlockDrafter", "BudgetDrafter", "HeadedDrafter", "InTargetDrafter",
-    "TargetCheckedDrafter", "LabelledDrafter", "LimitedTarget", "target_supports", "TreeSampler",
+    "TargetCheckedDrafter", "LabelledDrafter", "TrainableDrafter", "LimitedTarget", "target_supports", "TreeSampler",
     "LookaheadSafe", "SessionBound", "PeekingBlockPolicy",
     "AcceptResult", "BatchState", "DraftBlock", "KVView", "Request", "RoundRecord", "RowState", "SamplingParams",
     "SharedKV", "VerifyResult", *sorted(_LAZY),

@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(b)
 
-    t = add("train", help="train a KV-sharing assistant drafter against a frozen target")
-    from .train.loop import add_train_arguments
+    t = add("train", help="train a drafter (assistant, EAGLE-3, DFlash, MTP module) against a frozen target")
+    from .train.cli import add_train_arguments
 
     add_train_arguments(t)
 
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args)
         if args.command == "train":
-            from .train.loop import run_train
+            from .train.cli import run_train
 
             return run_train(args)
         if args.command == "eval":

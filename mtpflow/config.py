@@ -442,6 +442,8 @@ def drafter_options(kind: str, value) -> dict | None:
         raise ConfigError(f"{where}: expected a JSON object of options, got {type(value).__name__}")
     if kind == "assistant" and value.get("model_type"):
         return dict(value)
+    if kind not in TRAIN_OPTIONS:  # a plugin's drafter kind: its trainer checks its own options
+        return dict(value)
     module, _, name = TRAIN_OPTIONS[kind].partition(":")
     cls = getattr(importlib.import_module(module), name)
     try:

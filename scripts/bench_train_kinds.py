@@ -49,10 +49,10 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="assistant,eagle3,dflash,mtp")
     args = p.parse_args(argv)
 
-    from mtpflow.train.kinds import tap_layers
-    from mtpflow.train.loop import _load_target, train
+    from mtpflow.train.run import tap_layers, train
+    from mtpflow.train.target import load_target
 
-    target = _load_target(args.target)
+    target = load_target(args.target)
     KIND_OPTIONS["eagle3"]["draft_vocab_size"] = min(8192, target.vocab_size)
     kinds = args.kinds.split(",")
     union = sorted({t for k in kinds if k in ("eagle3", "dflash") for t in tap_layers(k, target, KIND_OPTIONS[k])})

@@ -30,9 +30,9 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def target():
     """The pair_e target through the training loader (drafter-training tests)."""
-    from mtpflow.train.loop import _load_target
+    from mtpflow.train.target import load_target
 
-    return _load_target(FIXTURES / "pair_e" / "target")
+    return load_target(FIXTURES / "pair_e" / "target")
 
 
 def quiet_log():

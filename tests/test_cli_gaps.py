@@ -41,12 +41,12 @@ def test_float32_moe_and_half_precision_dense_targets_still_load(capsys):
     ("assistant", '{"num_hidden_layers": 1', ["--drafter-config", "not valid JSON"]),
 ])
 def test_drafter_config_is_checked_before_anything_loads(capsys, monkeypatch, tmp_path, kind, config, words):
-    import mtpflow.train.loop as loop
+    import mtpflow.train.run as run_mod
 
     def no_load(*a, **k):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr(loop, "_load_target", no_load)
+    monkeypatch.setattr(run_mod, "load_target", no_load)
     rc, out, err = run(capsys, "train", "--kind", kind, "--target", E_TARGET, "--data", "selfgen:4", "--out",
                        tmp_path / "out", "--drafter-config", config)
     assert_user_error(rc, err, "--drafter-config", *words)

@@ -62,9 +62,9 @@ def test_generate_with_no_model_flags_runs_the_default_pair_losslessly(capsys):
 
     ids = list(tok.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}], add_generation_prompt=True))
     assert res["prompt_tokens"] == len(ids)  # the chat template was applied
-    from mtpflow.train.loop import _load_target
+    from mtpflow.train.target import load_target
 
-    target = _load_target(t)
+    target = load_target(t)
     assert res["tokens"] == target_only_greedy(target, ids, 24, target.eos_ids)
     # the default policy measured drafting (it starts at the drafter's recommended block)
     assert st["block_policy"] == "adaptive" and st["block_size"] == 2 and st["draft_tokens"] > 0, st

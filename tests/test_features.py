@@ -11,8 +11,11 @@ import pytest
 from conftest import FIXTURES
 
 from mtpflow.drafters.mtpflow_assistant.model import GenericAssistantModel
-from mtpflow.train.features import collect, distill_prompts, feature_batch, generate_features, load_features
-from mtpflow.train.loop import _load_tokenizer, drafter_loss, resolve_drafter_config, target_pass, train
+from mtpflow.drafters.mtpflow_assistant.train import drafter_loss, feature_batch, resolve_drafter_config, target_pass
+from mtpflow.train.features import collect, generate_features, load_features
+from mtpflow.train.run import train
+from mtpflow.train.sources import distill_prompts
+from mtpflow.train.target import load_tokenizer
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 DRAFTER = {"num_hidden_layers": 2, "intermediate_size": 128}
@@ -106,7 +109,7 @@ def test_collect_resumes_and_refuses_other_settings(target, prompts, tmp_path):
 
 
 def test_distill_prompts_use_the_chat_template_or_plain_text(target, tmp_path):
-    tok = _load_tokenizer(target)
+    tok = load_tokenizer(target)
     f = tmp_path / "p.txt"
     f.write_text("beca daka doli bugi base\nbeca daka doli bugi base\nbugi base dana gane bate\n")
     got = distill_prompts(str(f), tok, max_prompt_len=64)
@@ -318,10 +321,10 @@ def _kind_settings(kind, cache_dir, **kw):
 def shared_cache(tmp_path_factory):
     """One ``cache:`` folder collected once with the layers of EAGLE-3 and DFlash
     (the MTP kind reads the hidden state every folder holds)."""
-    from mtpflow.train.kinds import tap_layers
-    from mtpflow.train.loop import _load_target
+    from mtpflow.train.run import tap_layers
+    from mtpflow.train.target import load_target
 
-    target = _load_target(E3_TARGET)
+    target = load_target(E3_TARGET)
     union = sorted({t for k in ("eagle3", "dflash") for t in tap_layers(k, target, SHARED_KINDS[k])})
     root = tmp_path_factory.mktemp("shared")
     s = train(E3_TARGET, SHARED_KINDS["mtp"], "cache:selfgen:16:40", root / "first",
@@ -331,8 +334,9 @@ def shared_cache(tmp_path_factory):
 
 
 def test_kinds_share_one_compact_cache_and_never_run_the_target(shared_cache, tmp_path, monkeypatch):
-    import mtpflow.train.kinds as kinds_mod
     import mtpflow.train.features as fm
+    import mtpflow.train.target as target_mod
+    from mtpflow.train.run import tap_layers
 
     folder, union, target = shared_cache
     meta = json.loads((folder / "meta.json").read_text())
@@ -341,15 +345,15 @@ def test_kinds_share_one_compact_cache_and_never_run_the_target(shared_cache, tm
         assert sorted(k for k in z.files if k.startswith("tap")) == sorted(f"tap_{t}" for t in union)
         assert not [k for k in z.files if k[:2] in ("k_", "v_")]
         assert all(z[k].dtype == np.float16 for k in z.files if k.startswith("tap") or k == "hidden")
-    forwards, real = [], kinds_mod.target_states
-    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: forwards.append(1) / 0)
+    forwards, real = [], target_mod.target_states
+    monkeypatch.setattr(target_mod, "target_states", lambda *a, **k: forwards.append(1) / 0)
     monkeypatch.setattr(fm, "text_features_async", lambda *a, **k: forwards.append(1) / 0)
     for kind, opts in SHARED_KINDS.items():
         s = train(E3_TARGET, opts, "cache:selfgen:16:40", tmp_path / kind, **_kind_settings(kind, folder, steps=2))
         assert s["cache"]["examples"] == 0 and s["steps"] == 2, kind  # nothing collected again
     assert forwards == []
     # a kind's subset is the target's own layers, in the kind's order (float16)
-    taps = kinds_mod.tap_layers("dflash", target, SHARED_KINDS["dflash"])
+    taps = tap_layers("dflash", target, SHARED_KINDS["dflash"])
     f = load_features(folder, taps=taps[::-1], kv=False)[0]
     hidden, got = real(target, mx.array(f.tokens[None].astype(np.int32)), taps[::-1])
     want = np.concatenate([np.array(got[t][0]) for t in taps[::-1]], axis=-1)

@@ -19,13 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "mtpflow"
 
-#: the cycles that remain (each a sorted tuple of its modules): the list may only shrink
-ALLOWED_CYCLES: set[tuple[str, ...]] = {
-    # train/: loop holds both the entry point (train, dispatching to the kinds) and the optimiser the
-    # kinds call back into; the MTP kind's trainer joins the circle through the same two edges
-    ("mtpflow.train.eval", "mtpflow.train.features", "mtpflow.train.kinds", "mtpflow.train.loop",
-     "mtpflow.train.mtp"),
-}
+#: the cycles that remain (each a sorted tuple of its modules): none, and none may come back
+ALLOWED_CYCLES: set[tuple[str, ...]] = set()
 #: report thresholds
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 600
 
@@ -152,6 +147,56 @@ def test_drafter_kinds_import_shared_pieces_from_a_neutral_module():
     assert cross_kind_imports({"mtpflow.drafters.eagle3.model": {"mtpflow.drafters.dflash.model", "mtpflow.drafters.base"},
                                "mtpflow.drafters.base": {"mtpflow.drafters.ngram"}}) == {
         ("mtpflow.drafters.eagle3.model", "mtpflow.drafters.dflash.model")}
+
+
+#: train/ modules that may import a drafter kind's folder: ``mtpflow eval`` (its offline scoring
+#: replays assistant drafters) and the modules that re-export names from where they used to live
+TRAIN_ABOVE_THE_KINDS = {"mtpflow.train.eval", "mtpflow.train.loop", "mtpflow.train.kinds", "mtpflow.train.mtp"}
+#: names of drafter kinds (registered or ``--kind``) a ``kind == ...`` branch would name
+KIND_NAMES = {"assistant", "eagle3", "dflash", "mtp", "native_mtp", "ngram", "model"}
+
+
+def kind_branches(path: Path) -> list[int]:
+    """Lines of ``path`` that compare something called ``kind`` (``kind``, ``cfg.kind``,
+    ``self.kind`` ...) with a drafter kind's name."""
+
+    def named_kind(e):
+        return (isinstance(e, ast.Name) and e.id.endswith("kind")) or (
+            isinstance(e, ast.Attribute) and e.attr.endswith("kind"))
+
+    def kind_name(e):
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(kind_name(x) for x in e.elts)
+        return isinstance(e, ast.Constant) and e.value in KIND_NAMES
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(named_kind(x) for x in sides) and any(kind_name(x) for x in sides):
+                out.append(node.lineno)
+    return out
+
+
+def test_train_knows_no_drafter_kind():
+    """train/ holds the kind-independent parts: below the kinds it imports no kind's folder, no
+    train/ module branches on a kind (each kind's trainer is found through the plugins), and
+    nothing in mtpflow imports the re-exporting modules."""
+    g = import_graph()
+    for m in MODULES:
+        if m.startswith("mtpflow.train") and m not in TRAIN_ABOVE_THE_KINDS:
+            assert not {d for d in g[m] if _kind_of(d)}, f"{m} imports a drafter kind: {sorted(d for d in g[m] if _kind_of(d))}"
+        if m.startswith("mtpflow.train"):
+            assert not kind_branches(MODULES[m]), f"{m} branches on a drafter kind at line(s) {kind_branches(MODULES[m])}"
+    for thin in ("mtpflow.train.loop", "mtpflow.train.kinds", "mtpflow.train.mtp"):
+        assert not [m for m, deps in g.items() if thin in deps], f"{thin} is imported inside mtpflow"
+
+
+def test_the_kind_branch_finder_finds_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('if cfg.kind != "assistant":\n    pass\nif kind in ("eagle3", "dflash"):\n    pass\n'
+                 'if kind == "gpu":\n    pass\n')
+    assert kind_branches(f) == [1, 3]
 
 
 def long_functions() -> list[tuple[int, str]]:

@@ -10,8 +10,10 @@ from conftest import FIXTURES
 from mlx.utils import tree_flatten
 
 from mtpflow.drafters.gemma4_assistant.masks import drafter_mask
+from mtpflow.drafters.mtpflow_assistant.train import train_masks
 from mtpflow.train.data import Example, batches, iter_json_objects, to_messages
-from mtpflow.train.loop import step_weights, train, train_masks
+from mtpflow.train.objective import step_weights
+from mtpflow.train.run import train
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 FAST = dict(batch_size=4, unroll=3, warmup=2, lr=3e-3, progress=False, checkpoint_every=4)
@@ -118,7 +120,7 @@ def test_batches_are_a_function_of_seed_and_step():
 
 
 def test_draft_vocab_ranks_by_training_and_extra_frequencies():
-    from mtpflow.train.loop import choose_draft_vocab
+    from mtpflow.train.objective import choose_draft_vocab
 
     ex = [Example(np.array([5, 5, 5, 6, 7], np.int32), np.array([1, 1, 1, 1, 0], bool))]
     assert choose_draft_vocab(ex, 10, 2).tolist() == [5, 6]  # 7 carries no loss
@@ -131,7 +133,7 @@ def test_draft_vocab_ranks_by_training_and_extra_frequencies():
 def test_training_with_a_draft_vocabulary_saves_the_ranked_one(target, examples, tmp_path):
     """``draft_vocab_size`` through ``train``: the saved head holds the data's most
     frequent answer tokens (plus EOS), and the drafter loads and drafts within them."""
-    from mtpflow.train.loop import choose_draft_vocab
+    from mtpflow.train.objective import choose_draft_vocab
 
     K = 64
     train(target, {**DRAFTER, "draft_vocab_size": K}, "selfgen", tmp_path / "dv", examples=examples, steps=2, **FAST)
@@ -198,3 +200,89 @@ def test_progress_and_summary_report_tokens_per_second_and_the_device(target, ex
     assert f"train [{speed['backend']}]" in err and "tok/s" in err
     saved = json.loads((tmp_path / "p" / "train_summary.json").read_text())
     assert saved["train_speed"] == speed
+
+
+# ------------------------------------------------------------------------------ kinds through the plugins
+class _ToyTrainer:
+    """A trainer that records what the entry point hands it."""
+
+    kind = "toy"
+    calls: list = []
+
+    @classmethod
+    def check(cls, cfg):
+        if cfg.steps == 13:
+            raise ValueError("toy: 13 steps are unlucky")
+
+    @classmethod
+    def train(cls, target, options, data_spec, out, cfg, examples=None, ranks=None):
+        cls.calls.append((type(target).__name__, options, data_spec, cfg.kind, ranks.size))
+        return {"toy": True}
+
+
+class _ToyDrafter:
+    model_types = ()
+    needs = frozenset()
+    train_kind, trainer = "toy", _ToyTrainer
+
+    @classmethod
+    def load(cls, path, target, options):
+        raise NotImplementedError
+
+    def propose(self, session, state, shared, n_draft):
+        raise NotImplementedError
+
+
+def _toy_plugins(*classes):
+    from mtpflow import hookimpl
+    from mtpflow.plugins import make_plugin_manager
+
+    pm = make_plugin_manager(autoload=False)
+
+    class Toy:
+        @hookimpl
+        def mtpflow_register_drafters(self, register):
+            for i, c in enumerate(classes):
+                register(f"toy{i}", c)
+
+    pm.register(Toy(), name="toy-plugin")
+    return pm
+
+
+def test_each_built_in_kind_is_trained_by_the_trainer_its_drafter_kind_declares():
+    from mtpflow.drafters.dflash.drafter import DFlashDrafter
+    from mtpflow.drafters.eagle3.drafter import Eagle3Drafter
+    from mtpflow.drafters.mtpflow_assistant.drafter import GenericAssistantDrafter
+    from mtpflow.drafters.native_mtp.drafter import NativeMTPDrafter
+    from mtpflow.train.kind import KindTrainer
+    from mtpflow.train.run import trainable_kinds, trainer_for
+
+    assert trainable_kinds() == {"assistant": GenericAssistantDrafter, "eagle3": Eagle3Drafter,
+                                 "dflash": DFlashDrafter, "mtp": NativeMTPDrafter}
+    for kind, cls in trainable_kinds().items():
+        trainer = trainer_for(kind)
+        assert issubclass(trainer, KindTrainer) and trainer.kind == kind
+        assert trainer.__module__ == cls.__module__.rpartition(".")[0] + ".train"  # next to its drafter
+    with pytest.raises(ValueError, match="kind must be one of 'assistant', 'dflash', 'eagle3', 'mtp'"):
+        trainer_for("gemma4")
+
+
+def test_a_plugin_drafter_kind_is_trainable_in_its_own_plugin_manager_only(tmp_path):
+    from mtpflow.plugins import PluginError
+    from mtpflow.train.target import load_target
+
+    target = FIXTURES / "pair_e" / "target"
+    pm = _toy_plugins(_ToyDrafter)
+    _ToyTrainer.calls.clear()
+    assert train(target, '{"depth": 2}', "selfgen:4", tmp_path / "o", kind="toy", plugins=pm) == {"toy": True}
+    # the loaded target adapter, the options as the JSON says (the toy kind checks its own), one rank
+    assert len(_ToyTrainer.calls) == 1 and _ToyTrainer.calls[0][1:] == ({"depth": 2}, "selfgen:4", "toy", 1)
+    assert _ToyTrainer.calls[0][0] == type(load_target(target)).__name__
+    with pytest.raises(ValueError, match="13 steps are unlucky"):  # the kind's own check, before anything loads
+        train(target, None, "selfgen:4", tmp_path / "o2", kind="toy", steps=13, plugins=pm)
+    assert not (tmp_path / "o2").exists()
+    with pytest.raises(ValueError, match=r"kind must be one of .*\(got 'toy'\)"):  # not in the process-wide plugins
+        train(target, None, "selfgen:4", tmp_path / "o3", kind="toy")
+    twice = _toy_plugins(_ToyDrafter, _ToyDrafter)
+    with pytest.raises(PluginError, match="'toy0' and 'toy1' both train as --kind toy"):
+        train(target, None, "selfgen:4", tmp_path / "o4", kind="toy", plugins=twice)

@@ -13,8 +13,9 @@ import pytest
 
 from mtpflow.config import load_config
 from mtpflow.engine import generate, load_session, target_only_greedy
-from mtpflow.train.kinds import dflash_block_logits, ttt_logits
-from mtpflow.train.loop import train
+from mtpflow.drafters.dflash.train import dflash_block_logits
+from mtpflow.drafters.eagle3.train import ttt_logits
+from mtpflow.train.run import train
 
 FIX = Path(__file__).parent / "fixtures"
 E3, DF = FIX / "eagle3", FIX / "dflash"
@@ -86,7 +87,7 @@ def test_dflash_dpace_weights_follow_the_confidence(tmp_path):
     smoothed confidence s = (1 - a) exp(-loss) + a; row k weighs the suffix
     sum of prefix products from k on; masked rows weigh nothing.  (Exact
     agreement with Speculators' training step: tests/test_train_parity.py.)"""
-    from mtpflow.train.kinds import dpace_weights
+    from mtpflow.drafters.dflash.train import dpace_weights
 
     ln2 = float(np.log(2.0))
     per = mx.array([[[0.0, ln2, 5.0, ln2]]])
@@ -103,11 +104,11 @@ def test_dflash_dpace_weights_follow_the_confidence(tmp_path):
 def _count_target_forwards(monkeypatch):
     """``(calls, target_states)``: every teacher-forced target forward of a kind's
     trainer appends to ``calls``; the real function, to compare against."""
-    import mtpflow.train.kinds as kinds_mod
+    import mtpflow.train.target as target_mod
 
     calls = []
-    real = kinds_mod.target_states
-    monkeypatch.setattr(kinds_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = target_mod.target_states
+    monkeypatch.setattr(target_mod, "target_states", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls, real
 
 
@@ -147,17 +148,17 @@ def test_cache_data_stores_the_kinds_taps_and_training_never_runs_the_target(kin
     """``--data cache:SPEC`` for eagle3 / dflash: the teacher-forced collection keeps
     the target layers the drafter reads (float16, OUT/features-cache), and training
     reads them instead of running the target per batch."""
-    import mtpflow.train.kinds as kinds_mod
     from mtpflow.train.features import load_features
-    from mtpflow.train.loop import _load_target
+    from mtpflow.train.run import tap_layers
+    from mtpflow.train.target import load_target
 
     tgt, opts, _ = KINDS[kind]
     calls, real = _count_target_forwards(monkeypatch)
     common = _cached_run_settings(kind)
     out = train(tgt, opts, "cache:selfgen:32:40", tmp_path / "o", **common)
     assert calls == [] and out["tap_cache"]["from_disk"] == 32 and out["tap_cache"]["batches_reused"] == 12
-    target = _load_target(tgt)
-    taps = kinds_mod.tap_layers(kind, target, opts)
+    target = load_target(tgt)
+    taps = tap_layers(kind, target, opts)
     meta = json.loads((tmp_path / "o" / "features-cache" / "meta.json").read_text())
     assert meta["taps"] == list(taps) and len(taps) == 3
     log = [json.loads(x)["loss"] for x in (tmp_path / "o" / "train_log.jsonl").read_text().splitlines()]

@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpflow.train.loop import _load_target, train
+from mtpflow.train.run import train
+from mtpflow.train.target import load_target
 from mtpflow.train.memory import micro_slices, tree_bytes
 
 TGT = Path(__file__).parent / "fixtures" / "eagle3" / "target"
@@ -47,8 +48,8 @@ def _bound(target, drafter_bytes, micro_rows):
 def test_quantized_target_training_stays_under_its_memory_bound(tmp_path):
     gc.collect()
     held = mx.get_active_memory()  # what earlier tests in this process still hold counts in every peak
-    fp = _load_target(TGT)
-    q4 = _load_target(TGT, 4)
+    fp = load_target(TGT)
+    q4 = load_target(TGT, 4)
     w_fp, w_q = tree_bytes(fp.model.parameters()), tree_bytes(q4.model.parameters())
     assert w_q < 0.2 * w_fp  # 4-bit weights (+ float32 norms and group scales)
     s_fp, _ = _run(tmp_path / "fp")

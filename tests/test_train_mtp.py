@@ -14,9 +14,9 @@ import pytest
 from mtpflow.config import load_config
 from mtpflow.engine import load_session, target_only_greedy
 from mtpflow.targets.mlxlm import MLXLMTarget
-from mtpflow.train.kinds import target_states
-from mtpflow.train.loop import train
-from mtpflow.train.mtp import mtp_loss_terms, mtp_outputs, new_head, pack_plan, positions_at, save_native
+from mtpflow.drafters.native_mtp.train import mtp_loss_terms, mtp_outputs, new_head, pack_plan, positions_at, save_native
+from mtpflow.train.run import train
+from mtpflow.train.target import target_states
 
 TGT = Path(__file__).parent / "fixtures" / "eagle3" / "target"  # a tiny llama
 
@@ -123,7 +123,7 @@ def test_export_reloads_in_the_native_loader_with_the_same_logits(trained, targe
             "model.layers.8.shared_head.norm.weight", "model.layers.9.self_attn.q_proj.weight",
             "model.layers.8.mlp.gate_proj.weight", "model.layers.8.input_layernorm.weight"} <= names
     # the trained weights (the last checkpoint) against the loader's module
-    from mtpflow.train.mtp import MTPTrainer
+    from mtpflow.drafters.native_mtp.train import MTPTrainer
 
     _, head = load_head(out, target.model, "float32", target.config)[:2]
     ckpt = MTPTrainer(target, {"depth": 2}, [], type("C", (), {"targets": "hard", "max_len": 96})())
@@ -173,13 +173,13 @@ def test_fine_tuning_a_checkpoints_own_head_starts_from_it(tmp_path):
     from native_mtp_tiny import make_checkpoint
 
     from mtpflow.drafters.native_mtp.drafter import load_head
-    from mtpflow.train.loop import _load_target
+    from mtpflow.train.target import load_target
 
     ck = make_checkpoint(tmp_path, seed=0, depth=1)
     s = train(ck, {"from_target": True}, "selfgen:8:24", tmp_path / "out", steps=2, lr=0.0, warmup=1, batch_size=4,
               progress=False, kind="mtp", max_len=64)
     assert s["depth"] == 1 and np.isfinite(s["final"]["loss"])
-    t = _load_target(ck)
+    t = load_target(ck)
     toks = mx.array([list(range(3, 30))], dtype=mx.int32)
     a = _head_logits(load_head(ck, t.model, "float32")[1], t, toks)
     b = _head_logits(load_head(tmp_path / "out", t.model, "float32", t.config)[1], t, toks)
@@ -187,7 +187,7 @@ def test_fine_tuning_a_checkpoints_own_head_starts_from_it(tmp_path):
 
 
 def test_bad_options_are_one_line_errors(target):
-    from mtpflow.train.mtp import MTPTrainer
+    from mtpflow.drafters.native_mtp.train import MTPTrainer
 
     cfg = type("C", (), {"targets": "soft", "max_len": 64})()
     with pytest.raises(ValueError, match="depth_weights needs 2 non-negative weights"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
-from mtpflow.train.loop import train
+from mtpflow.train.run import train
 from mtpflow.train.parallel import Ranks
 
 PAIR_E = FIXTURES / "pair_e" / "target"
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     from mtpflow.backend.blas import ensure_fast_blas
     ensure_fast_blas()
-    from mtpflow.train.loop import train
+    from mtpflow.train.run import train
     from mtpflow.train.parallel import world
     target, drafter, data, out, kw = json.loads(open(sys.argv[1]).read())
     ranks = world()
@@ -135,7 +135,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch_and_resume_on_one(tmp_pat
 
 
 def test_dflash_anchors_are_a_function_of_the_global_row():
-    from mtpflow.train.kinds import _anchors
+    from mtpflow.drafters.dflash.train import _anchors
 
     rng = np.random.default_rng(0)
     lens = rng.integers(10, 30, size=8)

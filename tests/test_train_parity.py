@@ -17,7 +17,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mtpflow.train import data as data_mod
-from mtpflow.train.loop import TrainConfig, _load_target, optimize
+from mtpflow.train.config import TrainConfig
+from mtpflow.train.optimize import optimize
+from mtpflow.train.target import load_target
 
 FIX = Path(__file__).parent / "fixtures" / "train_parity"
 META = json.loads((FIX / "parity.json").read_text())
@@ -25,7 +27,7 @@ TOL = 1e-5
 
 
 def _target():
-    return _load_target(FIX / "target")
+    return load_target(FIX / "target")
 
 
 def _docs(z):
@@ -80,7 +82,7 @@ def _check(log, grads, z, loss_key="loss", norm_key="grad_norm", check_grads=Tru
 
 
 def test_eagle3_training_steps_equal_speculators(tmp_path):
-    from mtpflow.train.kinds import Eagle3Trainer
+    from mtpflow.drafters.eagle3.train import Eagle3Trainer
 
     z = dict(np.load(FIX / "eagle3.npz"))
     e = META["eagle3"]
@@ -108,7 +110,7 @@ def test_eagle3_training_steps_equal_speculators(tmp_path):
 
 @pytest.mark.parametrize("variant", ["dpace", "decay"])
 def test_dflash_training_steps_equal_speculators(variant, tmp_path, monkeypatch):
-    import mtpflow.train.kinds as kinds
+    import mtpflow.drafters.dflash.train as kinds
 
     z = dict(np.load(FIX / "dflash.npz"))
     d = META["dflash"]

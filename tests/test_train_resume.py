@@ -21,7 +21,7 @@ import pytest
 from conftest import FIXTURES
 
 from mtpflow.train.checkpoint import CheckpointError, load_checkpoint, read_state, repair_log, save_checkpoint
-from mtpflow.train.loop import train
+from mtpflow.train.run import train
 
 PAIR_E = FIXTURES / "pair_e" / "target"
 DRAFTER = {"num_hidden_layers": 1, "intermediate_size": 64}
@@ -176,7 +176,7 @@ KILLER = textwrap.dedent("""
     from mtpflow.backend.blas import ensure_fast_blas
     ensure_fast_blas()
     import mtpflow.train.data as data
-    from mtpflow.train.loop import train
+    from mtpflow.train.run import train
     real = data.batches
     def batches(examples, batch_size, seed, step, *a, **k):
         if step == int(sys.argv[3]):  # the process dies here, as under kill -9: nothing is flushed or cleaned up
@@ -207,7 +207,7 @@ def test_a_killed_run_resumes_to_the_losses_of_an_uninterrupted_one(straight, tm
 
 def test_sigterm_checkpoints_the_finished_step_and_the_run_resumes_to_the_same_losses(straight, tmp_path, monkeypatch):
     import mtpflow.train.data as data
-    from mtpflow.train.loop import TrainingInterrupted
+    from mtpflow.train.optimize import TrainingInterrupted
 
     real = data.batches
 

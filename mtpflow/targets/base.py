@@ -113,7 +113,7 @@ def rope_at(rope, x, positions):
     return out.reshape(B, L, h, d).transpose(0, 2, 1, 3)
 
 
-class _TreeRope:
+class TreeRope:
     """Stands in for an attention layer's RoPE during a tree verify: every
     query / key at its node's own position (root + depth), whatever offset
     the model code passes."""
@@ -310,7 +310,7 @@ class TargetAdapter:
         attns = [getattr(layer, "self_attn", None) for layer in self.decoder_layers]
         saved = [(a, a.rope) for a in attns if a is not None and getattr(a, "rope", None) is not None]
         for a, rope in saved:
-            a.rope = _TreeRope(rope, positions)
+            a.rope = TreeRope(rope, positions)
         try:
             for c in cache:
                 c._tree = (positions, visible)

@@ -204,7 +204,7 @@ def self_distill(target, n: int, length: int = 48, prompt_len: int = 8, seed: in
 
 
 # ------------------------------------------------------------------------------ specs
-def _split_limit(spec: str) -> tuple[str, int | None]:
+def split_limit(spec: str) -> tuple[str, int | None]:
     head, sep, tail = spec.rpartition(":")
     if sep and tail.isdigit() and head:
         return head, int(tail)
@@ -243,7 +243,7 @@ def load_examples(spec: str, tokenizer=None, max_len: int = 1024, target=None, s
             continue
         if renderer is None:
             raise DataError(f"{part}: this data needs the target's tokenizer")
-        name, limit = _split_limit(part)
+        name, limit = split_limit(part)
         got: list[Example] = []
         if name == "sharegpt":
             for obj in iter_json_objects(sharegpt_path()):

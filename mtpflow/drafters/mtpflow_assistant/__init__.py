@@ -9,7 +9,8 @@ Geometry (query/KV heads, head_dim, RoPE, attention scale) is the target's.
 
 :mod:`.config` (config dict, target geometry, compatibility check),
 :mod:`.model` (the body, with a training forward over all positions),
-:mod:`.drafter` (the ``assistant`` drafter kind, save/load).
+:mod:`.drafter` (the ``assistant`` drafter kind, save/load), :mod:`.train`
+(its trainer, ``mtpflow train --kind assistant``).
 """
 
 MODEL_TYPES = ("mtpflow_assistant",)

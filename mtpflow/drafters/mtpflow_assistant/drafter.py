@@ -59,6 +59,8 @@ class GenericAssistantDrafter(KVSharingDrafter):
     kind = "assistant"
     model_types = MODEL_TYPES
     needs = frozenset({"hidden", "shared_kv"})
+    #: ``mtpflow train --kind assistant`` (mtpflow.api.TrainableDrafter)
+    train_kind, trainer = "assistant", "mtpflow.drafters.mtpflow_assistant.train:AssistantTrainer"
 
     @classmethod
     def check(cls, target_config: dict, drafter_config: dict):

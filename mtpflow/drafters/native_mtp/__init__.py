@@ -8,7 +8,7 @@ so a user gives ``--model`` only (``--draft-kind native_mtp``, or
 Modules: :mod:`.module` (the MTP layer -- ``eh_proj([enorm(e); hnorm(h)])``,
 one decoder block, ``shared_head.norm`` -- and the native key layout),
 :mod:`.families` (family adapters), :mod:`.config` (settings, checks before
-any weight is read), :mod:`.drafter` (the kind).
+any weight is read), :mod:`.drafter` (the kind), :mod:`.train` (``mtpflow train --kind mtp``).
 
 Family adapter interface (:class:`.families.Family`, class methods only; add
 one to :data:`.families.FAMILIES`):

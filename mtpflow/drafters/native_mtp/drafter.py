@@ -100,6 +100,8 @@ class NativeMTPDrafter:
     #: pick this kind by itself when the target carries a head and no drafter is given
     auto_detect = True
     label = "native MTP head"
+    #: ``mtpflow train --kind mtp`` (mtpflow.api.TrainableDrafter)
+    train_kind, trainer = "mtp", "mtpflow.drafters.native_mtp.train:MTPTrainer"
 
     def __init__(self, family, head, cfg: dict, target, settings: NativeMTPSettings | None = None):
         self.family, self.model, self.cfg, self.target = family, head, cfg, target

@@ -13,6 +13,6 @@ def export_drafter(session, out, fmt: str = "native", *, verifier_name: str | No
                    speculative_tokens: int = 3, dtype: str | None = None) -> Path:
     """The loaded head's layers as ``model.layers.{N+i}.*`` with the target's
     config plus ``num_nextn_predict_layers``: a folder ``--draft-model`` loads."""
-    from ...train.mtp import save_native
+    from .train import save_native
 
     return save_native(session.drafter.model, session.target, out, dtype)

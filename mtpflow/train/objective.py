@@ -1,0 +1,85 @@
+"""Pieces of the training objective that every drafter kind uses: shifting a sequence, one step's
+loss terms (KL to the target or cross-entropy on its argmax), per-step weights, the weighted loss,
+and the draft vocabulary."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def shift(a: mx.array, k: int) -> mx.array:
+    """``out[:, t] = a[:, t + k]`` (zero past the end)."""
+    if k == 0:
+        return a
+    T = a.shape[1]
+    if k >= T:
+        return mx.zeros_like(a)
+    pad = mx.zeros((a.shape[0], k, *a.shape[2:]), a.dtype)
+    return mx.concatenate([a[:, k:], pad], axis=1)
+
+
+def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, soft: bool):
+    """One step's (or depth's) unnormalised ``(loss_sum, correct, count)``: KL to the
+    target's log-distribution ``lab`` (``soft``) or the cross-entropy of the token
+    ``tgt``, summed over ``valid``; ``correct`` counts the drafter's argmax hitting ``tgt``."""
+    vf = valid.astype(mx.float32)
+    if soft:
+        per = (mx.exp(lab) * (lab - logp)).sum(-1)
+    else:
+        per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    correct = mx.stop_gradient(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+    return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
+
+
+def step_weights(kind: str, n: int, decay: float = 0.8, acc: list[float] | None = None) -> np.ndarray:
+    """Normalised per-step loss weights: ``"geometric"`` ``w_i = decay**i``, or
+    ``"position"`` (D-PACE-like): with the running greedy acceptance ``a_j`` of
+    step ``j`` (``acc``, the EMA of the per-step accuracy), ``E[tau] = 1 + sum_k
+    prod_{j<=k} a_j`` and ``w_i = dE[tau]/da_i = prod_{j<i} a_j * (1 + sum_{k>i}
+    prod_{i<m<=k} a_m)`` -- a step is weighted by how much its acceptance adds to
+    the expected acceptance length.  Normalised to sum to 1."""
+    if kind == "geometric":
+        w = decay ** np.arange(n, dtype=np.float64)
+    else:
+        a = np.clip(np.asarray(acc if acc is not None else [0.5] * n, np.float64), 0.05, 0.99)
+        w = np.zeros(n)
+        for i in range(n):
+            before = np.prod(a[:i])
+            tail, run = 1.0, 1.0
+            for k in range(i + 1, n):
+                run *= a[k]
+                tail += run
+            w[i] = before * tail
+    return (w / w.sum()).astype(np.float32)
+
+
+def weighted_loss(sums: mx.array, counts: mx.array, weights: mx.array) -> tuple[mx.array, mx.array]:
+    """``(loss, per_step_loss)``: each step's mean over its ``counts`` terms,
+    weighted by ``weights``."""
+    per = sums / mx.maximum(counts, 1.0)
+    return (weights * per).sum(), per
+
+
+def choose_draft_vocab(examples, vocab_size: int, k: int, always=(), extra=None) -> np.ndarray:
+    """The ``k`` most frequent loss tokens of the training data (EAGLE-3's
+    reduced draft vocabulary), plus ``always`` (EOS ids); sorted ids.
+
+    ``extra``: more examples (``--vocab-data``) whose token frequencies are
+    added with the same total weight as the training data's -- a large text
+    corpus fixes the ranking of tokens a small training set sees rarely."""
+
+    def freq(exs):
+        counts = np.zeros(vocab_size, np.float64)
+        for e in exs:
+            counts += np.bincount(e.tokens[e.loss], minlength=vocab_size)[:vocab_size]
+        return counts / max(counts.sum(), 1.0)
+
+    counts = freq(examples)
+    if extra:
+        counts = counts + freq(extra)
+    for t in always:
+        counts[t] = counts.max() + 1
+    top = np.argsort(-counts, kind="stable")[:k]
+    return np.sort(top).astype(np.int32)
+
