@@ -1,0 +1,173 @@
+"""Nemotron-H targets: Mamba2 layers on a per-row rollback cache (ScanCache),
+attention on the slot cache, MLP / MoE layers without a cache."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import RoundLog, drive_with_late_joiners, run_requests
+from test_hybrid import QWEN3, OracleDrafter, _refs, session
+from tiny_hybrid import load_reference
+from tiny_nemotron import build
+
+from mtpflow.engine import generate_stream, make_request
+from mtpflow.state import SamplingParams
+from mtpflow.targets.cache import SlotKVCache, merge_caches
+from mtpflow.targets.nemotron_h import NemotronHTarget
+from mtpflow.targets.recurrent import ScanCache
+
+PROMPTS = [[2, 17, 300, 41, 999, 5, 77, 1200, 64, 8, 33], [2, 501, 502], [2, 9, 9, 9, 1500, 23, 7]]
+MAX = [20, 14, 17]
+BITWISE = bool(os.environ.get("MTPFLOW_HYBRID_BITWISE"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("nemotron_h"), seed=0, mtp=False)
+
+
+def test_forward_equals_mlx_lm(ckpt):
+    """Prefill and single-token steps give mlx-lm's own logits (its chunked
+    scan, its caches) to float rounding; only M and * layers own a cache."""
+    ref = load_reference(ckpt)
+    t = NemotronHTarget.from_path(ckpt)
+    rc, cache = ref.make_cache(), t.make_cache()
+    t.set_offsets(cache, mx.array([0], mx.int32))
+    want = ref(mx.array([PROMPTS[0]]), cache=rc)
+    got = t.logits(t.forward(mx.array([PROMPTS[0]]), cache))
+    assert mx.abs(want - got).max().item() < 1e-4
+    for tok in (5, 900, 1300):
+        want = ref(mx.array([[tok]]), cache=rc)
+        got = t.logits(t.forward(mx.array([[tok]]), cache))
+        assert mx.abs(want - got).max().item() < 1e-4
+    assert [type(c) for c in cache] == [ScanCache, SlotKVCache] * 2  # pattern M*M-*E
+
+
+def _assert_as_fresh(t, caches, seqs):
+    """Every row's Mamba (conv window, SSM state) and attention state equals a
+    fresh one-row prefill of its sequence, bitwise."""
+    same = np.array_equal
+    for b, seq in enumerate(seqs):
+        fresh, _ = t.prefill([seq])
+        for cache in caches:
+            for c, f in zip(cache, fresh):
+                if isinstance(c, ScanCache):
+                    assert same(np.array(c.recurrent[b]), np.array(f.recurrent[0]))
+                    assert same(np.array(c.conv[b]), np.array(f.conv[0]))
+                else:
+                    k, v, p = c.view()
+                    pos = np.array(p[b])
+                    order = mx.array(np.argsort(np.where(pos >= 0, pos, 10**9))[: len(seq)])
+                    assert sorted(pos[pos >= 0].tolist()) == list(range(len(seq)))
+                    fk, fv, _ = f.view()
+                    assert same(np.array(k[b][:, order]), np.array(fk[0]))
+                    assert same(np.array(v[b][:, order]), np.array(fv[0]))
+
+
+@pytest.mark.skipif(not BITWISE, reason="run by test_rollback_is_bitwise_with_the_reference_blas")
+def test_rollback_leaves_the_state_of_a_fresh_prefill(ckpt):
+    """Ragged left-padded prefill, verifies of 4 tokens with rows keeping their
+    own counts (all-equal rounds too), a row leaving and one joining, and a
+    trim: in both rollback modes the Mamba and attention state equal a fresh
+    prefill of the accepted prefix."""
+    t = NemotronHTarget.from_path(ckpt)
+    rng = np.random.default_rng(0)
+    seqs = [list(p) for p in PROMPTS]
+    caches = {}
+    for name in ("steps", "steps, host counts", "replay"):
+        t.rollback_mode = name.split(",")[0]
+        caches[name] = t.prefill(seqs)[0]
+    t.rollback_mode = "steps"
+    _assert_as_fresh(t, caches.values(), seqs)
+    for r, keep in enumerate([[1, 4, 2], [3, 3, 3], [2, 1, 4], [1, 1, 1]]):
+        inputs = rng.integers(4, 2048, (len(seqs), 4)).tolist()
+        if r == 2:  # row 1 leaves, a new row joins
+            new = [2, 640, 12, 1999, 3]
+            fresh = t.prefill([new])[0]
+            for name, cache in caches.items():
+                for c in cache:
+                    c.select(mx.array([0, 2], dtype=mx.int32))
+                caches[name] = merge_caches([cache, fresh])
+            seqs = [seqs[0], seqs[2], new]
+        pos = mx.array([len(s) for s in seqs], dtype=mx.int32)
+        keep_a = mx.array(keep, dtype=mx.int32)
+        for name, cache in caches.items():
+            t.set_offsets(cache, pos)
+            mx.eval(t.forward(mx.array(inputs, dtype=mx.int32), cache))
+            for c in cache:
+                c.rollback(4, keep_a, pos + keep_a, 4 - max(keep), min(keep) != max(keep),
+                           kept=keep if "host" in name else None)
+            t.compact(cache, n_valid_max=max(len(s) + k for s, k in zip(seqs, keep)),
+                      min_positions=[len(s) + k for s, k in zip(seqs, keep)])
+        seqs = [s + i[:k] for s, i, k in zip(seqs, inputs, keep)]
+        if r in (0, 2, 3):
+            _assert_as_fresh(t, caches.values(), seqs)
+    cache = caches["steps"]
+    t.set_offsets(cache, mx.array([len(s) for s in seqs], dtype=mx.int32))
+    mx.eval(t.forward(mx.array([[5, 6]] * 3, dtype=mx.int32), cache))
+    for c in cache:
+        c.trim(1)
+    _assert_as_fresh(t, [cache], [s + [5] for s in seqs])
+
+
+def test_rollback_is_bitwise_with_the_reference_blas():
+    """The check above in a subprocess on MLX's bundled reference BLAS (OpenBLAS
+    rounds a ragged batch's matmuls differently from one row's; see test_hybrid)."""
+    if BITWISE:
+        pytest.skip("this is the bitwise run")
+    env = dict(os.environ, MTPFLOW_BLAS="none", MTPFLOW_HYBRID_BITWISE="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                        "-k", "fresh_prefill"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["oracle", "ngram", "model"])
+def test_greedy_equals_target_only_in_ragged_batches(ckpt, kind):
+    """Each row equals its own target-only greedy output; the oracle drafts
+    every accepted count, rows of one round differing."""
+    rounds = RoundLog()
+    model = {"draft_kind": kind} | ({"draft_model": str(QWEN3)} if kind == "model" else {})
+    s = session(ckpt, rounds=rounds, model=model, batch={"max_batch_size": 8})
+    assert isinstance(s.target, NemotronHTarget)
+    want = _refs(s, PROMPTS, MAX)
+    OracleDrafter.refs = {str(i): w for i, w in enumerate(want)}
+    for bs in (1, 4):
+        s.block_policy.size = bs
+        reqs, out = run_requests(s, PROMPTS, MAX, ids=[str(i) for i in range(3)])
+        assert [out[r.id] for r in reqs] == want, bs
+    if kind == "oracle":
+        accepted = [a for rec in rounds.records for a in rec.accepted if rec.drafted]
+        assert set(accepted) == {0, 1, 2, 3}
+        assert any(len(set(rec.accepted)) > 1 for rec in rounds.records)
+
+
+def test_continuous_batching(ckpt):
+    s = session(ckpt, model={"draft_kind": "oracle"}, batch={"max_batch_size": 8, "policy": "continuous"})
+    prompts = PROMPTS + [[2, 44, 45, 46, 47, 48, 49, 50, 51], [2, 1000]]
+    maxes = MAX + [11, 16]
+    want = _refs(s, prompts, maxes)
+    OracleDrafter.refs = {str(i): w for i, w in enumerate(want)}
+    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(prompts, maxes))]
+    out = drive_with_late_joiners(s, reqs[:3], reqs[3:], join_after=2)
+    assert [out[str(i)] for i in range(5)] == want
+
+
+def test_seeded_sampling_through_speculation_equals_target_only(ckpt):
+    sps = [SamplingParams(temperature=0.9, top_p=0.95, seed=11), SamplingParams(temperature=0.7, seed=5),
+           SamplingParams(temperature=1.2, top_k=20, seed=3)]
+
+    def run(s):
+        reqs = [make_request(s, p, max_tokens=14, sampling=sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(PROMPTS, sps))]
+        out = {r.id: [] for r in reqs}
+        for ev in generate_stream(s, reqs):
+            out[ev.request_id].extend(ev.tokens)
+        return out
+
+    want = run(session(ckpt, draft={"block_size": 1}))
+    assert len({tuple(v) for v in want.values()}) == 3
+    s = session(ckpt, model={"draft_kind": "oracle"})
+    OracleDrafter.refs = {str(i): _refs(s, [p], [14])[0] for i, p in enumerate(PROMPTS)}
+    assert run(s) == want
