@@ -171,3 +171,67 @@ def test_seeded_sampling_through_speculation_equals_target_only(ckpt):
     s = session(ckpt, model={"draft_kind": "oracle"})
     OracleDrafter.refs = {str(i): _refs(s, [p], [14])[0] for i, p in enumerate(PROMPTS)}
     assert run(s) == want
+
+
+def _perturbed(src, dst, scale):
+    """A copy of checkpoint ``src`` with noise on its LM head: a draft model
+    that agrees with ``src`` often, not always."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    w = mx.load(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(1)
+    w["lm_head.weight"] = w["lm_head.weight"] + mx.array(rng.normal(0, scale, w["lm_head.weight"].shape).astype(np.float32))
+    mx.save_safetensors(str(dst / "model.safetensors"), w, metadata={"format": "pt"})
+    return dst
+
+
+def test_a_hybrid_draft_model_keeps_each_rows_accepted_state(ckpt, tmp_path):
+    """A Nemotron-H draft model (a noisy copy of the target): after every
+    commit each row's Mamba state in the draft model's cache is a fresh
+    prefill's of what it accepted (ragged acceptance, rows joining), and
+    every row equals its target-only output."""
+    rounds = RoundLog()
+    s = session(ckpt, rounds=rounds, model={"draft_kind": "model", "draft_model": str(_perturbed(ckpt, tmp_path / "d", 0.15))},
+                batch={"max_batch_size": 8, "policy": "continuous"})
+    d, checked = s.drafter, []
+    commit = d.commit
+
+    def checking(session, state, accepted):
+        commit(session, state, accepted)
+        for r in state.rows:
+            seq, fed = list(r.request.prompt) + list(r.generated), d.rows[r.request.id].fed
+            if fed >= len(seq):  # the row ended inside the drafts (max_tokens): it leaves
+                continue
+            seq = seq[:fed]
+            fresh = d.model.prefill([seq])[0]
+            b = d.ids.index(r.request.id)
+            for c, f in zip(d._states(), [c for c in fresh if isinstance(c, ScanCache)]):
+                np.testing.assert_allclose(np.array(c.recurrent[b]), np.array(f.recurrent[0]), atol=1e-4, rtol=0)
+                np.testing.assert_allclose(np.array(c.conv[b]), np.array(f.conv[0]), atol=1e-4, rtol=0)
+        checked.append(len(state.rows))
+
+    d.commit = checking
+    prompts = PROMPTS + [[2, 44, 45, 46, 47, 48, 49, 50, 51]]
+    maxes = MAX + [11]
+    want = _refs(s, prompts, maxes)
+    reqs = [make_request(s, p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(prompts, maxes))]
+    out = drive_with_late_joiners(s, reqs[:3], reqs[3:], join_after=2)
+    assert [out[str(i)] for i in range(4)] == want
+    acc = [rec.accepted for rec in rounds.records if rec.drafted]
+    assert 0 < sum(map(sum, acc)) < sum(rec.drafted * len(rec.accepted) for rec in rounds.records if rec.drafted)
+    assert any(len(set(a)) > 1 for a in acc) and max(checked) == 4
+
+
+def test_a_hybrid_draft_model_for_a_dense_target(ckpt):
+    s = session(QWEN3, model={"draft_kind": "model", "draft_model": str(ckpt)}, batch={"max_batch_size": 8})
+    _, out = run_requests(s, PROMPTS, MAX)
+    assert [out[str(i)] for i in range(3)] == _refs(s, PROMPTS, MAX)
+
+
+def test_a_tree_with_a_hybrid_draft_model_is_a_one_line_error(ckpt):
+    from mtpflow.drafters.draft_model import DraftModelError
+
+    with pytest.raises(DraftModelError, match="chains only") as e:
+        session(QWEN3, model={"draft_kind": "model", "draft_model": str(ckpt)}, draft={"tree": "2,1"})
+    assert "\n" not in str(e.value)
