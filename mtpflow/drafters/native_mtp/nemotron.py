@@ -71,7 +71,8 @@ class NemotronHLayout(Family):
 
     @classmethod
     def selects(cls, key: str, config: dict) -> bool:
-        return key.startswith("mtp.layers.")
+        # FP8 checkpoints' attention ``k_scale`` / ``v_scale`` have no place in the MLX block
+        return key.startswith("mtp.layers.") and not key.endswith((".k_scale", ".v_scale"))
 
     @classmethod
     def expected(cls, config: dict) -> list[str]:
