@@ -124,14 +124,32 @@ def test_rollback_is_bitwise_with_the_reference_blas():
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "ngram", "model"])
-def test_greedy_equals_target_only_in_ragged_batches(ckpt, kind):
-    """Each row equals its own target-only greedy output; the oracle drafts
-    every accepted count, rows of one round differing."""
+def _eagle3_for_nemotron(tmp_path):
+    """The EAGLE-3 fixture drafter (hidden 64, vocab 2048, aux layers 2, 4, 5) declared for a Nemotron-H verifier."""
+    import json
+    import shutil
+
+    from conftest import FIXTURES
+
+    eagle = tmp_path / "eagle3"
+    shutil.copytree(FIXTURES.parent / "eagle3" / "drafter_default", eagle)
+    cfg = json.loads((eagle / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["architectures"] = ["NemotronHForCausalLM"]
+    (eagle / "config.json").write_text(json.dumps(cfg))
+    return eagle
+
+
+@pytest.mark.parametrize("kind", ["oracle", "ngram", "model", "dflash", "eagle3"])
+def test_greedy_equals_target_only_in_ragged_batches(ckpt, tmp_path, kind):
+    """Each row equals its own target-only greedy output, with every drafter
+    kind (DFlash and EAGLE-3 read the target's layers and embedding table);
+    the oracle drafts every accepted count, rows of one round differing."""
     rounds = RoundLog()
-    model = {"draft_kind": kind} | ({"draft_model": str(QWEN3)} if kind == "model" else {})
+    drafter = {"model": lambda: QWEN3, "dflash": lambda: QWEN3.parent / "drafter",
+               "eagle3": lambda: _eagle3_for_nemotron(tmp_path)}.get(kind)
+    model = {"draft_kind": kind} | ({"draft_model": str(drafter())} if drafter else {})
     s = session(ckpt, rounds=rounds, model=model, batch={"max_batch_size": 8})
-    assert isinstance(s.target, NemotronHTarget)
+    assert isinstance(s.target, NemotronHTarget) and s.draft_kind == kind
     want = _refs(s, PROMPTS, MAX)
     OracleDrafter.refs = {str(i): w for i, w in enumerate(want)}
     for bs in (1, 4):

@@ -224,6 +224,12 @@ class TargetAdapter:
             return mx.dequantize(head.weight[ids], head.scales[ids], biases, group_size=head.group_size, bits=head.bits)
         return head.weight[ids]
 
+    @property
+    def embed_table(self):
+        """The input embedding module (unscaled: a drafter that reads the
+        target's table applies its own scaling)."""
+        return self.inner.embed_tokens
+
     def final_norm(self, x: mx.array) -> mx.array:
         """The target's final norm (what turns its last residual stream into
         the post-norm hidden state ``forward`` returns)."""

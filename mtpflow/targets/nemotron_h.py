@@ -143,6 +143,10 @@ class NemotronHTarget(HybridTarget):
     def lm_head_module(self):
         return self.head_owner.lm_head  # mlx-lm's nemotron_h always projects with its own lm_head
 
+    @property
+    def embed_table(self):
+        return self.inner.embeddings
+
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embeddings(tokens)
 
