@@ -6,6 +6,8 @@ their own positions:
 * ``forward(tokens, cache)`` -> post-norm final hidden state of every position;
 * ``logits(hidden)`` -> the model's output logits (softcapping included);
 * ``embed(tokens)`` -> the model's *scaled* input embedding;
+* ``embed_table`` -> the input embedding module, unscaled (for drafters that
+  read the target's table);
 * ``shared_kv(cache)`` -> the store layers' K/V per attention type, with
   slot positions (:class:`mtpflow.state.KVView`);
 * ``make_cache(batch_size, extra)`` -> a list of :class:`SlotKVCache`, whose
