@@ -40,6 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--block", type=int, nargs="+", default=[4, 8], help="tokens verified per row (k + 1)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--family", choices=("qwen3_5", "nemotron_h"), default="qwen3_5",
+                    help="the tiny random checkpoint built without --model (nemotron_h: Mamba2 layers)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
     ap.add_argument("--device-keep", action="store_true",
@@ -56,11 +58,16 @@ def main(argv=None) -> None:
     if path is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from tiny_hybrid import build
+        from tiny_nemotron import build as build_nemotron
 
-        path = build(Path(tempfile.mkdtemp()), "qwen3_5", seed=0)
+        tmp = Path(tempfile.mkdtemp())
+        path = build_nemotron(tmp, seed=0, mtp=False) if args.family == "nemotron_h" else build(tmp, "qwen3_5", seed=0)
     from mtpflow.targets.base import read_config
 
-    cls = Qwen3NextTarget if read_config(Path(path)).get("model_type") == "qwen3_next" else Qwen35Target
+    from mtpflow.targets.nemotron_h import NemotronHTarget
+
+    mt = read_config(Path(path)).get("model_type")
+    cls = {"qwen3_next": Qwen3NextTarget, "nemotron_h": NemotronHTarget}.get(mt, Qwen35Target)
     target = cls.from_path(path)
     print(f"model {path}  device {mx.default_device()}  clock {'wall' if args.wall else 'process CPU'}")
     print(f"{'mode':7} {'B':>2} {'k+1':>4} {'verify ms':>10} {'rollback ms':>12} {'share':>7}")

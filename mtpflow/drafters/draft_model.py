@@ -28,6 +28,12 @@ catch-up, one forward per depth over the whole frontier (the adapter's
 ``forward_tree``, each node seeing the context and its own ancestors' slots);
 :meth:`~DraftModelDrafter.commit` then drops every tree slot, and the next
 catch-up reads the accepted path with the bonus token.
+
+A hybrid draft model (recurrent layers: Gated DeltaNet, Mamba2) drafts
+chains only: its recurrent caches keep their state after the catch-up and
+after every draft step, and :meth:`~DraftModelDrafter.commit` gives each row
+the state after its own accepted drafts (a ragged catch-up keeps each row's
+state after its own tokens), as its slot caches keep their accepted slots.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..api import target_supports
 from ..state import DraftBlock
 from ..targets.base import read_config
 from .base import IncompatibleDrafter, TreeBuilder, tree_visibility_step
 from ..targets.cache import merge_caches
+from ..targets.recurrent import RecurrentCache
 
 PAD_ID = 0
 
@@ -145,6 +153,8 @@ class DraftModelDrafter:
         self.tail = 0  # drafted slots at the end of the cache (last propose)
         self.tree = False  # the last propose drafted a tree (its slots are not a chain)
         self.round = None  # state.round at the last propose
+        #: recurrent caches' ``(conv, state)`` after the catch-up and after each draft step
+        self.snaps: list = []
 
     @classmethod
     def check(cls, target_config: dict, drafter_config: dict) -> None:
@@ -169,15 +179,44 @@ class DraftModelDrafter:
         model = adapter.from_path(path, cfg, dtype=options.dtype)
         if model.vocab_size != target.vocab_size:
             raise DraftModelError(f"the draft model's vocab_size ({model.vocab_size}) differs from the target's ({target.vocab_size})")
+        tree = getattr(getattr(getattr(options, "config", None), "draft", None), "tree", "off")
+        if tree != "off" and not target_supports(model, "trees"):
+            raise DraftModelError(f"{path}: this draft model (model_type {mt!r}) has recurrent layers and drafts chains only; "
+                                  "set [draft] tree = \"off\" (--draft-tree off)")
         return cls(model)
 
     # -- cache maintenance -------------------------------------------------------------
     def reset(self) -> None:
         self.cache, self.ids, self.rows, self.tail, self.tree, self.round = None, [], {}, 0, False, None
+        self.snaps = []
+
+    def _slots(self) -> list:
+        return [c for c in self.cache if not isinstance(c, RecurrentCache)]
+
+    def _states(self) -> list:
+        return [c for c in self.cache if isinstance(c, RecurrentCache)]
+
+    def _snapshot(self) -> None:
+        states = self._states()
+        if states:
+            self.snaps.append([(c.conv, c.recurrent) for c in states])
+
+    def _restore_states(self) -> None:
+        """Each row's recurrent state after its accepted drafts (``fed``)."""
+        if not self.snaps:
+            return
+        steps = [self.rows[rid].fed - self.rows[rid].p0 - 1 for rid in self.ids]
+        for i, c in enumerate(self._states()):
+            if len(set(steps)) == 1:
+                c.conv, c.recurrent = self.snaps[steps[0]][i]
+            else:
+                c.conv = mx.concatenate([self.snaps[n][i][0][b : b + 1] for b, n in enumerate(steps)], axis=0)
+                c.recurrent = mx.concatenate([self.snaps[n][i][1][b : b + 1] for b, n in enumerate(steps)], axis=0)
+        self.snaps = []
 
     def _invalidate_from(self, limit: mx.array) -> None:
         """Mark every slot at a position ``>= limit[b]`` of row ``b`` empty."""
-        for c in self.cache:
+        for c in self._slots():
             c.dense = False  # holes from here on
             if c.idx:
                 pos = c.positions[:, : c.idx]
@@ -203,11 +242,12 @@ class DraftModelDrafter:
 
     def _drop_tail(self, trim: int) -> None:
         if trim:
-            for c in self.cache:
+            for c in self._slots():
                 c.idx -= trim
         self.tail = 0
         limit = mx.array([self.rows[rid].fed for rid in self.ids], dtype=mx.int32)
         self._invalidate_from(limit)
+        self._restore_states()
 
     def _rollback(self) -> None:
         """A proposal that was never committed (a replaced accept stage, an
@@ -283,6 +323,10 @@ class DraftModelDrafter:
             hidden = mx.take_along_axis(hidden, last[:, None, None], axis=1)
             if min(lens) < L:
                 self._invalidate_from(nxt)  # the padding slots
+                for c in self._states():  # each row's state after its own tokens
+                    c.rollback(L, mx.array(lens, dtype=mx.int32), nxt, 0, True, kept=lens)
+        self.snaps = []
+        self._snapshot()
         for info, s in zip(infos, seqs):
             info.fed = len(s)  # catch-up tokens are real tokens
             info.p0 = len(s) - 1
@@ -301,6 +345,7 @@ class DraftModelDrafter:
         for j in range(n_draft - 1):
             target.set_offsets(self.cache, nxt + j)
             hidden, _ = target.forward_with_taps(tok[:, None], self.cache, (), submit=submit)
+            self._snapshot()
             tok = mx.argmax(target.logits(hidden[:, -1]), axis=-1).astype(mx.int32)
             out.append(tok)
         self.tail, self.tree = n_draft - 1, False
@@ -315,6 +360,8 @@ class DraftModelDrafter:
         the accepted path with the bonus token (a few tokens in one forward)."""
         B = state.size
         target = self.model
+        if not target_supports(target, "trees"):
+            raise DraftModelError("a draft model with recurrent layers drafts chains only; set [draft] tree = \"off\"")
         logits, nxt = self._catch_up(session, state)
         lg = logits[:, None]  # [B, 1, V]: the root's children
         grow = TreeBuilder(shape, B)

@@ -6,6 +6,8 @@ their own positions:
 * ``forward(tokens, cache)`` -> post-norm final hidden state of every position;
 * ``logits(hidden)`` -> the model's output logits (softcapping included);
 * ``embed(tokens)`` -> the model's *scaled* input embedding;
+* ``embed_table`` -> the input embedding module, unscaled (for drafters that
+  read the target's table);
 * ``shared_kv(cache)`` -> the store layers' K/V per attention type, with
   slot positions (:class:`mtpflow.state.KVView`);
 * ``make_cache(batch_size, extra)`` -> a list of :class:`SlotKVCache`, whose
@@ -223,6 +225,12 @@ class TargetAdapter:
             biases = head["biases"][ids] if "biases" in head else None
             return mx.dequantize(head.weight[ids], head.scales[ids], biases, group_size=head.group_size, bits=head.bits)
         return head.weight[ids]
+
+    @property
+    def embed_table(self):
+        """The input embedding module (unscaled: a drafter that reads the
+        target's table applies its own scaling)."""
+        return self.inner.embed_tokens
 
     def final_norm(self, x: mx.array) -> mx.array:
         """The target's final norm (what turns its last residual stream into

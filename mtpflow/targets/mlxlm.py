@@ -43,7 +43,7 @@ class MLXLMTarget(TargetAdapter):
         self.config = config
         self.tc = _text(config)
         self.path = Path(path)
-        self.inner = model.language_model.model if hasattr(model, "language_model") else model.model
+        self.inner = self.inner_of(model)
         self.head_owner = model.language_model if hasattr(model, "language_model") else model
         self.hidden_size = self.tc["hidden_size"]
         self.vocab_size = self.tc.get("vocab_size") or config.get("vocab_size")
@@ -54,6 +54,11 @@ class MLXLMTarget(TargetAdapter):
         # scaled by sqrt(D), rounded to bf16 as the model does
         self._embed_scale = mx.array(self.hidden_size**0.5, mx.bfloat16) if self.embed_scaled else None
         self.softcap = self.tc.get("final_logit_softcapping")
+
+    @classmethod
+    def inner_of(cls, model):
+        """The decoder body (embedding, layers, final norm) of the mlx-lm model."""
+        return model.language_model.model if hasattr(model, "language_model") else model.model
 
     # -- config-only facts (no weights): used by drafter checks -----------------------
     @classmethod

@@ -219,3 +219,55 @@ class RecurrentCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.conv is None else self.conv.nbytes + self.recurrent.nbytes
+
+
+class ScanCache(RecurrentCache):
+    """The cache of a recurrent layer given by its step function (a Mamba2
+    mixer's selective scan, or any other): :meth:`scan` runs ``y_t, s_t =
+    step(x_t..., s_{t-1})`` over a forward's steps and keeps what a rollback
+    needs, as :meth:`RecurrentCache.update` does for Gated DeltaNet -- the state
+    after every step (``"steps"``), or the state before the forward and the
+    step inputs (``"replay"``: the rollback runs ``step`` again, masked past
+    each row's kept count).  Rollback, trim, rows leaving and joining are the
+    base class's."""
+
+    def scan(self, conv_in: mx.array, step, xs: tuple, init, mask=None) -> mx.array:
+        """Run ``step`` over the ``S`` steps of ``xs`` (arrays ``[B, S, ...]``)
+        from the cached state (``init``: the zero state's shape, for a new
+        cache); a step with ``mask[:, t]`` false leaves a row's state as it is
+        (left padding).  Stores ``conv_in``'s last ``K - 1`` entries as the
+        window; returns the outputs stacked on axis 1."""
+        S = xs[0].shape[1]
+        prev = self.recurrent if self.recurrent is not None else mx.zeros(init, mx.float32)
+        record = self.record and S <= self.max_record
+        state, ys, steps = prev, [], []
+        for t in range(S):
+            state, y = self._advance(step, [x[:, t] for x in xs], state, None if mask is None else mask[:, t])
+            ys.append(y)
+            if record and self.mode == "steps":
+                steps.append(state)
+        if not record:
+            self._last = None
+        elif self.mode == "steps":
+            self._last = (S, conv_in, prev, steps)
+        else:
+            self._last = (S, conv_in, prev, (step, xs))
+        self.conv = conv_in[:, -(self.kernel - 1) :]
+        self.recurrent = state
+        return mx.stack(ys, axis=1)
+
+    @staticmethod
+    def _advance(step, x, state, m):
+        y, new = step(*x, state)
+        if m is not None:
+            new = mx.where(m.reshape((-1,) + (1,) * (new.ndim - 1)), new, state)
+        return new, y
+
+    def _replay(self, prev, rec, n):
+        """The state after ``n`` steps, replayed from ``prev`` (masked past ``n``)."""
+        step, xs = rec
+        S = xs[0].shape[1]
+        state = prev
+        for t in range(S if not isinstance(n, int) else n):
+            state, _ = self._advance(step, [x[:, t] for x in xs], state, None if isinstance(n, int) else (t < n))
+        return state

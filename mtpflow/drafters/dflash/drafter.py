@@ -137,7 +137,7 @@ class DFlashDrafter:
         caches = self.rows.caches
         L = n_draft + 1
         ids = mx.concatenate([state.last_tokens[:, None], mx.full((B, n_draft), self.cfg.mask_token_id, mx.int32)], axis=1)
-        x = self.target.inner.embed_tokens(ids)
+        x = self.target.embed_table(ids)
         if self.cfg.input_embedding_scale != 1.0:
             x = x * self.cfg.input_embedding_scale
         q = state.positions[:, None] + mx.arange(L, dtype=mx.int32)[None]

@@ -100,7 +100,7 @@ class Eagle3Drafter:
         m = self.model
         if "embed_tokens" in m:
             return m.embed_tokens(tokens)
-        return self.target.inner.embed_tokens(tokens)  # the target's own table, unscaled (as vLLM / SGLang)
+        return self.target.embed_table(tokens)  # the target's own table, unscaled (as vLLM / SGLang)
 
     def _mask(self, kpos, qpos, anchor):
         """``[B, 1, Lq, S]``: valid keys at positions ``<= qpos`` and, with a

@@ -144,6 +144,6 @@ def export_drafter(session, out, fmt: str = "speculators", *, verifier_name: str
     cfg = d.cfg
     if not cfg.verifier_architectures:  # e.g. a SpecForge export: record the target it was loaded with
         cfg = attrs.evolve(cfg, verifier_architectures=tuple(session.target.config.get("architectures") or ()))
-    embed = None if "embed_tokens" in d.model else session.target.inner.embed_tokens.weight
+    embed = None if "embed_tokens" in d.model else session.target.embed_table.weight
     return save_speculators(d.model, cfg, out, embed=embed, verifier_name=verifier_name,
                             speculative_tokens=speculative_tokens, dtype=dtype)

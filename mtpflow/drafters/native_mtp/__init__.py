@@ -42,6 +42,9 @@ Mapping for the families served: DeepSeek-V3 (``deepseek_v3``), GLM-4.x MoE
 ``Glm4MoeLiteDecoderLayer`` built for layer index ``N + i``, the target's own
 ``sanitize``.  DeepSeek-V3.2 / GLM-5 (``deepseek_v32``, ``glm_moe_dsa``):
 :class:`.families.SparseNativeLayout`, the same with two caches per layer.
+Qwen3.5 / 3.6 and Qwen3-Next: :class:`.qwen.QwenLayout` (``mtp.*``).  Nemotron-H
+(``nemotron_h``): :class:`.nemotron.NemotronHLayout` (``mtp.layers.<j>.*``, the
+``mtp_hybrid_override_pattern`` blocks as one MTP layer).
 The target's embedding (unscaled, ``target.embed``) and LM head are shared.
 
 Loader contract for trained modules (what ``mtpflow export`` of an MTP module

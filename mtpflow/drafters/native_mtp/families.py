@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from .family import Family, inner_model, text_config  # noqa: F401  (re-exported)
 from .module import COPIES, OWN
+from .nemotron import NemotronHLayout
 from .qwen import QwenLayout
 
 
@@ -89,7 +90,7 @@ class SparseNativeLayout(NativeLayout):
 
 
 #: families, first match on the target's ``model_type`` wins
-FAMILIES: list[type[Family]] = [QwenLayout, SparseNativeLayout, NativeLayout]
+FAMILIES: list[type[Family]] = [QwenLayout, NemotronHLayout, SparseNativeLayout, NativeLayout]
 
 
 def family_for(config: dict) -> type[Family] | None:
