@@ -339,11 +339,14 @@ class TargetAdapter:
         L = max(lens)
         tokens = mx.array([[pad_id] * (L - n) + list(p) for p, n in zip(seqs, lens)], dtype=mx.int32)
         cache = self.make_cache(extra=extra)
-        self.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+        starts = mx.array([n - L for n in lens], dtype=mx.int32)
         for c in cache:
             c.dense = min(lens) == L  # no left padding
         chunks: dict = {lid: [] for lid in taps}
         for s, e in self.prefill_chunks(L, step):
+            # every chunk sets its rows' positions (a cache that does not advance them itself,
+            # e.g. a recurrent layer's, masks a left-padded row's steps by them)
+            self.set_offsets(cache, starts + s if s else starts)
             hidden, got = self.forward_with_taps(tokens[:, s:e], cache, taps)
             for lid, h in got.items():
                 chunks[lid].append(h)
