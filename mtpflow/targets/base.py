@@ -343,6 +343,7 @@ class TargetAdapter:
         for c in cache:
             c.dense = min(lens) == L  # no left padding
         chunks: dict = {lid: [] for lid in taps}
+        last = L - 1 if self.prefill_last_alone and L > 1 else L  # where the lone last token starts
         for s, e in self.prefill_chunks(L, step):
             # every chunk sets its rows' positions (a cache that does not advance them itself,
             # e.g. a recurrent layer's, masks a left-padded row's steps by them)
@@ -350,7 +351,7 @@ class TargetAdapter:
             hidden, got = self.forward_with_taps(tokens[:, s:e], cache, taps)
             for lid, h in got.items():
                 chunks[lid].append(h)
-            if e < L:
+            if e < last:  # between chunks of the prompt (the lone last token follows lazily)
                 mx.eval([c.state for c in cache] + [h for hs in chunks.values() for h in hs])
                 self.compact(cache, n_valid_max=L, min_positions=[n - L + e for n in lens])
         if not taps:
@@ -363,9 +364,10 @@ class TargetAdapter:
         hidden state at the last token ``[1, D]``."""
         ids = mx.array([list(tokens)], dtype=mx.int32)
         self.set_offsets(cache, mx.array([start], dtype=mx.int32))
-        for s, e in self.prefill_chunks(len(tokens), step):
+        n = len(tokens)
+        for s, e in self.prefill_chunks(n, step):
             hidden = self.forward(ids[:, s:e], cache)
-            if e < len(tokens):
+            if e < (n - 1 if self.prefill_last_alone and n > 1 else n):
                 mx.eval([c.state for c in cache])
         return hidden[:, -1]
 
