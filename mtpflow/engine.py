@@ -198,12 +198,14 @@ def generate(
 
 def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) -> list[int]:
     """Reference decoding with the target alone, one token per forward, through
-    the same adapter (used by tests and benchmarks)."""
+    the same adapter (used by tests and benchmarks): the engine's prefill (as
+    mlx-lm's generate loop, the prompt's last token alone), then one-token
+    forwards on the same cache, with the masks mlx-lm passes (none for one
+    query)."""
     import mlx.core as mx
 
-    cache = target.make_cache()
-    target.set_offsets(cache, mx.array([0], dtype=mx.int32))
-    h = target.forward(mx.array([prompt], dtype=mx.int32), cache)
+    cache, h = target.prefill([list(prompt)])
+    h = h[:, None]
     out: list[int] = []
     while True:
         tok = int(mx.argmax(target.logits(h[:, -1]), axis=-1).item())

@@ -4,7 +4,7 @@ mlx-vlm's speculative decoding against mlx-vlm's own target-only decoding on the
 checkpoints where mlx-vlm loads them.
 
     python scripts/lowp_equality.py --model T --draft-model D [--dtype bfloat16] [--prompts 8] \
-        [--prompt-len 24] [--max-tokens 48] [--block-sizes 3,5] [--batch 4] [--no-mlx-vlm] [--out eq.json]
+        [--prompt-len 24] [--max-tokens 48] [--block-sizes 3,5] [--batch 4] [--no-mlx-vlm] [--paths now] [--out eq.json]
 
 Prompts are random token ids (seeded), so any checkpoint works without a tokenizer.  A
 mismatch is reported with the first position where the two token lists differ: on a GPU, a
@@ -28,10 +28,43 @@ def first_diff(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def use_paths(which: str):
+    """``"now"``: mtpflow's attention calls as mlx-lm's loop makes them; ``"before"``: as they
+    were before (a dense sliding layer's multi-token forward with an array mask, the whole prompt
+    in one forward, the reference loop with array masks on every step).  Returns the reference
+    decoding function to use."""
+    from mtpflow.engine import target_only_greedy
+    from mtpflow.targets.base import TargetAdapter
+    from mtpflow.targets.cache import SlotKVCache
+
+    SlotKVCache.causal_in_window = TargetAdapter.prefill_last_alone = which == "now"
+    if which == "now":
+        return target_only_greedy
+
+    def reference_before(target, prompt, max_tokens, stop_ids=()):
+        import mlx.core as mx
+
+        cache = target.make_cache()  # never marked dense: array masks on every forward
+        target.set_offsets(cache, mx.array([0], dtype=mx.int32))
+        h = target.forward(mx.array([prompt], dtype=mx.int32), cache)
+        out = []
+        while len(out) < max_tokens:
+            tok = int(mx.argmax(target.logits(h[:, -1]), axis=-1).item())
+            if tok in stop_ids:
+                break
+            out.append(tok)
+            h = target.forward(mx.array([[tok]], dtype=mx.int32), cache)
+        return out
+
+    return reference_before
+
+
 def mtpflow_counts(args, prompts) -> dict:
     from mtpflow.config import load_config
-    from mtpflow.engine import generate_stream, load_session, make_request, target_only_greedy
+    from mtpflow.engine import generate_stream, load_session, make_request
     from mtpflow.logs import null_logger
+
+    target_only_greedy = use_paths(args.paths)
 
     s = load_session(load_config(overrides={
         "model": {"model": args.model, "draft_model": args.draft_model, "dtype": args.dtype},
@@ -40,7 +73,7 @@ def mtpflow_counts(args, prompts) -> dict:
         "generation": {"bucket_shapes": args.bucket_shapes},
     }), log=null_logger())
     refs = [target_only_greedy(s.target, p, args.max_tokens) for p in prompts]
-    out = {"dtype": s.dtype, "runs": []}
+    out = {"dtype": s.dtype, "paths": args.paths, "runs": []}
     for k in args.block_sizes:
         s.block_policy.size = k
         for batch in sorted({1, args.batch}):
@@ -92,7 +125,7 @@ def mlx_vlm_counts(args, prompts) -> dict:
     out = {"runs": []}
     try:
         refs = [run(p) for p in prompts]
-        for k in args.block_sizes:
+        for k in [k for k in args.block_sizes if k >= 2]:  # mlx-vlm's block counts the bonus: 1 drafts nothing
             same, diffs = 0, []
             for i, p in enumerate(prompts):
                 d = first_diff(run(p, draft_model=drafter, draft_kind=kind, draft_block_size=k), refs[i])
@@ -119,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlx-vlm", action="store_true")
     p.add_argument("--bucket-shapes", default="auto", choices=["auto", "on", "off"],
                    help="[generation] bucket_shapes for mtpflow's verifies (auto: the device's profile)")
+    p.add_argument("--paths", default="now", choices=["now", "before"],
+                   help="mtpflow's attention masks and prefill chunks as now (mlx-lm's) or as before (array masks, "
+                        "the whole prompt in one forward)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]

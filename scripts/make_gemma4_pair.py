@@ -4,11 +4,20 @@ mtpflow and mlx-vlm read, scaled from the fixture pair ``tests/fixtures/hf_gemma
 head).  For measuring speed on a machine without a model hub: the weights are random.
 
     python scripts/make_gemma4_pair.py OUT [--hidden 768] [--layers 12] [--vocab 16384] \
-        [--window 512] [--dtype bfloat16] [--seed 0]
+        [--window 512] [--dtype bfloat16] [--seed 0] [--accepting]
 
 Writes OUT/target (a ``gemma4`` checkpoint: the text model plus the multimodal fixture's tiny
 vision tower, so mlx-vlm loads it as well as mtpflow) and OUT/drafter.  The residual branches (``o_proj``, ``down_proj``) are scaled up so
 greedy text varies instead of repeating one token (tests/fixtures notes).
+
+``--accepting`` builds a drafter whose drafts the target accepts, so a speculative run emits more
+than one token per round: a random target of this kind settles into repeating a token, and this
+assistant drafts its input token again (a copy).  Its pre-projection keeps a random projection
+``P`` of the token's embedding (none of the target hidden state), its attention and MLP branches
+add nothing (``o_proj`` and ``down_proj`` are zero, every other weight random, so each step costs
+what a real assistant's does), and its tied dense head is ``E P^T`` (``E``: the target's
+embedding), whose argmax at ``P e`` is the token itself.  Its acceptance is what the target's
+repetition allows: measure it (``mtpflow bench`` reports tau).
 """
 
 from __future__ import annotations
@@ -94,7 +103,25 @@ def multimodal(text_cfg: dict, text_w: dict, dtype: str) -> tuple[dict, dict]:
     return cfg, w
 
 
-def build(out, hidden=768, layers=12, vocab=16384, window=512, dtype="bfloat16", seed=0) -> tuple[Path, Path]:
+def copy_drafter_weights(w: dict, target_embed, dtype: str) -> dict:
+    """The assistant's weights ``w`` made into a copy drafter (see the module docstring)."""
+    import mlx.core as mx
+
+    D, two_dt = w["pre_projection.weight"].shape
+    dt = two_dt // 2
+    P = mx.random.normal((D, dt)) / dt**0.5
+    out = dict(w)
+    out["pre_projection.weight"] = mx.concatenate([P, mx.zeros((D, dt))], axis=1)
+    for k in w:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            out[k] = mx.zeros_like(w[k])
+    out["model.embed_tokens.weight"] = target_embed.astype(mx.float32) @ P.T
+    dt_ = getattr(mx, dtype)
+    return {k: v.astype(dt_) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in out.items()}
+
+
+def build(out, hidden=768, layers=12, vocab=16384, window=512, dtype="bfloat16", seed=0,
+          accepting: bool = False) -> tuple[Path, Path]:
     import mlx.core as mx
     from mlx_lm.models import gemma4_text
 
@@ -108,11 +135,16 @@ def build(out, hidden=768, layers=12, vocab=16384, window=512, dtype="bfloat16",
     mcfg, mw = multimodal(tcfg, _weights(target, dtype, 4.0), dtype)
     _save(mw, out / "target", mcfg, VISION, VISION_FILES)
     dcfg = drafter_config(tcfg, dtype)
+    if accepting:  # a tied dense head (the centroid head's clusters would not follow the copy)
+        dcfg["use_ordered_embeddings"] = False
     acfg = check_compatible(tcfg, dcfg)
     from mtpflow.plugins import get_plugins
 
     drafter = Gemma4AssistantModel(acfg, get_plugins().lm_heads.get(acfg.head_kind))
-    _save(_weights(drafter, dtype, 1.0), out / "drafter", dcfg, PAIR_E / "drafter",
+    dw = _weights(drafter, dtype, 1.0)
+    if accepting:
+        dw = copy_drafter_weights(dw, mw["model.language_model.embed_tokens.weight"], dtype)
+    _save(dw, out / "drafter", dcfg, PAIR_E / "drafter",
           ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
     return out / "target", out / "drafter"
 
@@ -126,8 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accepting", action="store_true", help="a copy drafter whose drafts the target accepts")
     a = p.parse_args(argv)
-    t, d = build(a.out, a.hidden, a.layers, a.vocab, a.window, a.dtype, a.seed)
+    t, d = build(a.out, a.hidden, a.layers, a.vocab, a.window, a.dtype, a.seed, a.accepting)
     print(t, d)
     return 0
 

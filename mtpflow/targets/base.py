@@ -347,17 +347,21 @@ class TargetAdapter:
         L = max(lens)
         tokens = mx.array([[pad_id] * (L - n) + list(p) for p, n in zip(seqs, lens)], dtype=mx.int32)
         cache = self.make_cache(extra=extra)
-        self.set_offsets(cache, mx.array([n - L for n in lens], dtype=mx.int32))
+        starts = mx.array([n - L for n in lens], dtype=mx.int32)
         for c in cache:
             c.dense = min(lens) == L  # no left padding
         chunks: dict = {lid: [] for lid in taps}
-        for s in range(0, L, step):
-            hidden, got = self.forward_with_taps(tokens[:, s : s + step], cache, taps)
+        last = L - 1 if self.prefill_last_alone and L > 1 else L  # where the lone last token starts
+        for s, e in self.prefill_chunks(L, step):
+            # every chunk sets its rows' positions (a cache that does not advance them itself,
+            # e.g. a recurrent layer's, masks a left-padded row's steps by them)
+            self.set_offsets(cache, starts + s if s else starts)
+            hidden, got = self.forward_with_taps(tokens[:, s:e], cache, taps)
             for lid, h in got.items():
                 chunks[lid].append(h)
-            if s + step < L:
+            if e < last:  # between chunks of the prompt (the lone last token follows lazily)
                 mx.eval([c.state for c in cache] + [h for hs in chunks.values() for h in hs])
-                self.compact(cache, n_valid_max=L, min_positions=[n - L + s + step for n in lens])
+                self.compact(cache, n_valid_max=L, min_positions=[n - L + e for n in lens])
         if not taps:
             return cache, hidden[:, -1]
         return cache, hidden[:, -1], {lid: mx.concatenate(hs, axis=1) if len(hs) > 1 else hs[0] for lid, hs in chunks.items()}
@@ -368,11 +372,25 @@ class TargetAdapter:
         hidden state at the last token ``[1, D]``."""
         ids = mx.array([list(tokens)], dtype=mx.int32)
         self.set_offsets(cache, mx.array([start], dtype=mx.int32))
-        for s in range(0, len(tokens), step):
-            hidden = self.forward(ids[:, s : s + step], cache)
-            if s + step < len(tokens):
+        n = len(tokens)
+        for s, e in self.prefill_chunks(n, step):
+            hidden = self.forward(ids[:, s:e], cache)
+            if e < (n - 1 if self.prefill_last_alone and n > 1 else n):
                 mx.eval([c.state for c in cache])
         return hidden[:, -1]
+
+    #: the prompt's last token runs as a forward of its own (see :meth:`prefill_chunks`)
+    prefill_last_alone: bool = True
+
+    def prefill_chunks(self, L: int, step: int) -> list[tuple[int, int]]:
+        """The ``(start, end)`` token ranges a prefill of ``L`` tokens runs, ``step``
+        at a time, as mlx-lm's generate loop does: the prompt but its last token in
+        chunks, then the last token alone, so the first sampled token comes from a
+        one-token forward like every later one (on a GPU the same attention kernel:
+        a one-query step and a multi-query forward run different ones)."""
+        cut = L - 1 if self.prefill_last_alone and L > 1 else L
+        out = [(s, min(s + step, cut)) for s in range(0, cut, step)]
+        return out + [(cut, L)] if cut < L else out
 
     def set_offsets(self, cache: list[SlotKVCache], offsets: mx.array) -> None:
         for c in cache:

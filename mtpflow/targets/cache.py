@@ -29,6 +29,10 @@ import mlx.core as mx
 
 class SlotKVCache:
     step = 256
+    #: a dense sliding layer whose window drops no slot gets the ``"causal"`` mask, as a full
+    #: layer does (``False``: an array mask, the masks before; ``scripts/lowp_equality.py
+    #: --paths before`` compares the two)
+    causal_in_window = True
 
     def __init__(self, window: int | None = None, retain: int | None = None):
         self.window = window
@@ -100,7 +104,10 @@ class SlotKVCache:
         if self.dense and (window_size is None or window_size == self.window):
             if N == 1:
                 return None  # every slot it is given is visible (see _windowed)
-            if self.window is None and not return_array:
+            if not return_array and (self.window is None or (self.causal_in_window and self.idx + N <= self.window)):
+                # every query sees every slot up to its own: the window (if any) drops none of them.
+                # The same mask mlx-lm passes, so a GPU runs the same attention kernel (an array
+                # mask takes another one there)
                 return "causal"
         if N == 1 and self.idx:
             # one query per row (a null round): the cache never holds a slot

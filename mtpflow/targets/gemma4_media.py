@@ -280,11 +280,13 @@ class Gemma4Media:
         offsets = mx.array([n - L for n in lens], dtype=mx.int32)
         t.set_offsets(cache, offsets)
         chunks: dict = {lid: [] for lid in taps}
+        bl = blocks.tolist() if blocks is not None else None
+        # the prompt's last token runs alone, as in the text path (unless it is an image's soft token)
+        cut = L - 1 if t.prefill_last_alone and L > 1 and (bl is None or all(r[-1] < 0 for r in bl)) else L
         s = 0
         while s < L:
-            e = min(L, s + step)
-            if blocks is not None:  # a bidirectional image block is never split over two chunks
-                bl = blocks.tolist()
+            e = min(cut, s + step) if s < cut else L
+            if bl is not None:  # a bidirectional image block is never split over two chunks
                 while e < L and any(r[e - 1] >= 0 and r[e] == r[e - 1] for r in bl):
                     e += 1
             sl = slice(s, e)
@@ -298,7 +300,7 @@ class Gemma4Media:
                     c._tree = None
             for lid, h in got.items():
                 chunks[lid].append(h)
-            if e < L:
+            if e < cut:  # between chunks of the prompt (the lone last token follows lazily)
                 mx.eval([c.keys for c in cache] + [c.values for c in cache] + [h for hs in chunks.values() for h in hs])
                 t.compact(cache, n_valid_max=L, min_positions=[n - L + e for n in lens])
             s = e
