@@ -222,3 +222,17 @@ def test_a_bucketing_device_warms_every_verify_shape_first(tmp_path, monkeypatch
     assert run_bench(args) == 0
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
     assert meta["warmed_verify_shapes"] == [[r, n, t] for r in (1, 2) for n, t in ((1, False), (2, False), (4, False), (16, True))]
+
+
+def test_the_package_keeps_the_old_module_names_and_description():
+    """``mtpflow.bench`` is a package: the names code imports from it are still there, and
+    ``python -m mtpflow.bench --help`` describes it with its docstring's first line."""
+    import mtpflow.bench as bench
+    from mtpflow.bench.run import DESCRIPTION
+
+    assert bench.__doc__.split("\n\n")[0] == DESCRIPTION
+    for name in ("BenchError", "RoundCollector", "add_bench_arguments", "load_prompt_texts", "run_bench", "summarize",
+                 "MLXLMVariant", "MTPFlowVariant", "_config", "PRESETS", "VERIFY_LENGTHS", "encode_prompts",
+                 "build_variants", "verify_cost", "main"):
+        assert hasattr(bench, name), name
+    assert bench.FIXTURES.is_dir()
