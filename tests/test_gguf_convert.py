@@ -431,7 +431,7 @@ def test_cli_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_sliding_window_pattern_forms() -> None:
-    from mtpflow.convert.gguf import _sliding_window_pattern
+    from mtpflow.convert.gguf_config import _sliding_window_pattern
 
     assert _sliding_window_pattern({}, "gemma3", 18) == 6
     assert _sliding_window_pattern({"gemma3.attention.sliding_window_pattern": 4}, "gemma3", 8) == 4
