@@ -76,11 +76,13 @@ class Stopped(Exception):
 
 # ------------------------------------------------------------------------------ settings
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description="Train the default SmolLM2-135M drafter further, in resumable rounds "
+                                "(docs/training.md, \"Training the default drafter further\").")
     p.add_argument("--tiny", action="store_true", default=os.environ.get("TINY", "") not in ("", "0"),
                    help="tiny defaults (a handful of prompts, a few tokens, 2 steps, 4 MT-Bench prompts)")
-    for name, (_, _, typ, hlp) in SETTINGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help=f"{hlp} (env {name.upper()})")
+    for name, (full, tiny, typ, hlp) in SETTINGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None,
+                       help=f"{hlp} (env {name.upper()}; default {full}, tiny {tiny})")
     args = p.parse_args(argv)
     for name, (full, tiny, typ, _) in SETTINGS.items():
         if getattr(args, name) is None:
