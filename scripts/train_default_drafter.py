@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,8 +160,6 @@ def run_mtpflow(args: list[str], state_path: Path, clock: str, capture: bool = F
     out_parts: list[str] = []
     try:
         if capture:  # (stdout is small: one JSON line)
-            import threading
-
             reader = threading.Thread(target=lambda: out_parts.append(proc.stdout.read()), daemon=True)
             reader.start()
         t = time.time()
