@@ -404,58 +404,6 @@ def _field_errors(cls, table: dict, path: str) -> list[str]:
     return out
 
 
-#: ``mtpflow train --kind K --drafter-config``: each kind's attrs options class
-TRAIN_OPTIONS = {
-    "assistant": "mtpflow.drafters.mtpflow_assistant.config:TrainOptions",
-    "eagle3": "mtpflow.drafters.eagle3.config:TrainOptions",
-    "dflash": "mtpflow.drafters.dflash.config:TrainOptions",
-    "mtp": "mtpflow.drafters.native_mtp.config:TrainOptions",
-}
-
-
-def drafter_options(kind: str, value) -> dict | None:
-    """``--drafter-config`` of a training run of ``kind``: ``None``, inline
-    JSON, the path of a JSON file or a dict; returned as a dict after its keys
-    and values are checked against the kind's options class (unknown keys and
-    bad values are one-line errors with their path, before anything loads).
-    A complete assistant ``config.json`` (``model_type`` set) is returned as
-    it is: it is checked against the target."""
-    import importlib
-    import json
-
-    if value is None:
-        return None
-    where = "--drafter-config"
-    if isinstance(value, (str, Path)):
-        text = str(value)
-        if not text.lstrip().startswith("{"):
-            where = f"--drafter-config {text}"
-            try:
-                text = Path(text).expanduser().read_text()
-            except OSError as exc:
-                raise ConfigError(f"{where}: cannot be read ({exc.strerror or exc}); pass a JSON file or inline JSON") from None
-        try:
-            value = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a JSON object of options, got {type(value).__name__}")
-    if kind == "assistant" and value.get("model_type"):
-        return dict(value)
-    if kind not in TRAIN_OPTIONS:  # a plugin's drafter kind: its trainer checks its own options
-        return dict(value)
-    module, _, name = TRAIN_OPTIONS[kind].partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    try:
-        structure_settings(cls, value, "$")
-    except ConfigError as exc:
-        import attrs
-
-        known = f" (the {kind} kind's options: {', '.join(f.name for f in attrs.fields(cls))})"
-        raise ConfigError(f"{where}: {exc}{known if 'unknown key' in str(exc) else ''}") from None
-    return dict(value)
-
-
 def unstructure(cfg: Config) -> dict:
     return converter.unstructure(cfg)
 

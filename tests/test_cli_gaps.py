@@ -54,7 +54,8 @@ def test_drafter_config_is_checked_before_anything_loads(capsys, monkeypatch, tm
 
 
 def test_drafter_config_file_is_checked_too(tmp_path):
-    from mtpflow.config import ConfigError, drafter_options
+    from mtpflow.config import ConfigError
+    from mtpflow.train.run import drafter_options
 
     f = tmp_path / "d.json"
     f.write_text('{"num_hidden_layers": 1, "draft_vocab_size": 64}')

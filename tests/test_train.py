@@ -3,6 +3,7 @@ exact resume, frozen target, trained beats untrained on tau."""
 
 import json
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -286,3 +287,28 @@ def test_a_plugin_drafter_kind_is_trainable_in_its_own_plugin_manager_only(tmp_p
     twice = _toy_plugins(_ToyDrafter, _ToyDrafter)
     with pytest.raises(PluginError, match="'toy0' and 'toy1' both train as --kind toy"):
         train(target, None, "selfgen:4", tmp_path / "o4", kind="toy", plugins=twice)
+
+
+@attrs.frozen
+class _ToyOptions:
+    depth: int = 1
+
+
+class _CheckedToyTrainer(_ToyTrainer):
+    options = _ToyOptions  # the entry point checks --drafter-config against it
+
+
+class _CheckedToyDrafter(_ToyDrafter):
+    train_kind, trainer = "toy", _CheckedToyTrainer
+
+
+def test_a_plugin_kind_declares_its_options_class_and_the_entry_point_checks_against_it(tmp_path):
+    from mtpflow.config import ConfigError
+
+    target = FIXTURES / "pair_e" / "target"
+    pm = _toy_plugins(_CheckedToyDrafter)
+    _ToyTrainer.calls.clear()
+    assert train(target, '{"depth": 2}', "selfgen:4", tmp_path / "o", kind="toy", plugins=pm) == {"toy": True}
+    with pytest.raises(ConfigError, match=r"--drafter-config: \$: unknown key\(s\) width \(the toy kind's options: depth\)"):
+        train(target, '{"width": 3}', "selfgen:4", tmp_path / "o2", kind="toy", plugins=pm)
+    assert not (tmp_path / "o2").exists() and len(_ToyTrainer.calls) == 1

@@ -29,6 +29,11 @@ class KindTrainer:
 
     #: the ``mtpflow train --kind`` name
     kind: str = ""
+    #: the frozen attrs class ``--drafter-config`` is checked against, or its ``"module:Class"``
+    #: path (``None``: the trainer checks its options itself)
+    options = None
+    #: whether ``--drafter-config`` may also be a complete drafter ``config.json`` (``model_type`` set)
+    takes_model_config: bool = False
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -37,11 +37,60 @@ def trainer_for(kind: str, plugins=None):
     kinds = trainable_kinds(plugins)
     if kind not in kinds:
         raise ValueError(f"kind must be one of {', '.join(repr(k) for k in sorted(kinds))} (got {kind!r})")
-    trainer = kinds[kind].trainer
-    if isinstance(trainer, str):  # "module:Class": imported when training starts
-        module, _, attr = trainer.partition(":")
-        trainer = getattr(importlib.import_module(module), attr)
-    return trainer
+    return _resolve(kinds[kind].trainer)  # a "module:Class" path is imported when training starts
+
+
+def _resolve(ref):
+    """A class, or a ``"module:Class"`` path imported now."""
+    if isinstance(ref, str):
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ref
+
+
+def drafter_options(kind: str, value, plugins=None) -> dict | None:
+    """``--drafter-config`` of a training run of ``kind``: ``None``, inline
+    JSON, the path of a JSON file or a dict; returned as a dict after its keys
+    and values are checked against the kind's options class (its trainer's
+    ``options``; unknown keys and bad values are one-line errors with their
+    path, before anything loads).  A complete drafter ``config.json``
+    (``model_type`` set) is returned as it is where the trainer takes one
+    (``takes_model_config``): it is checked against the target."""
+    import json
+
+    import attrs
+
+    from ..config import ConfigError, structure_settings
+
+    if value is None:
+        return None
+    where = "--drafter-config"
+    if isinstance(value, (str, Path)):
+        text = str(value)
+        if not text.lstrip().startswith("{"):
+            where = f"--drafter-config {text}"
+            try:
+                text = Path(text).expanduser().read_text()
+            except OSError as exc:
+                raise ConfigError(f"{where}: cannot be read ({exc.strerror or exc}); pass a JSON file or inline JSON") from None
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a JSON object of options, got {type(value).__name__}")
+    trainer = trainer_for(kind, plugins)
+    # both members are optional: a trainer written before them (or not a KindTrainer) checks its own options
+    options = getattr(trainer, "options", None)
+    if options is None or (getattr(trainer, "takes_model_config", False) and value.get("model_type")):
+        return dict(value)
+    cls = _resolve(options)
+    try:
+        structure_settings(cls, value, "$")
+    except ConfigError as exc:
+        known = f" (the {kind} kind's options: {', '.join(f.name for f in attrs.fields(cls))})"
+        raise ConfigError(f"{where}: {exc}{known if 'unknown key' in str(exc) else ''}") from None
+    return dict(value)
 
 
 def tap_layers(kind: str, target, options, plugins=None) -> tuple[int, ...]:
@@ -68,8 +117,6 @@ def train(target, drafter_config, data_spec, out_dir, config: TrainConfig | None
             return train(target, drafter_config, data_spec, out_dir, cfg, examples)
     trainer = trainer_for(cfg.kind)
     trainer.check(cfg)
-    from ..config import drafter_options
-
     drafter_config = drafter_options(cfg.kind, drafter_config)  # checked before anything loads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

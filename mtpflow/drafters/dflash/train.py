@@ -139,6 +139,7 @@ class DFlashTrainer(TappedTrainer):
     ``target_layer_ids``, ``mask_token_id`` ... from ``--drafter-config``)."""
 
     kind = "dflash"
+    options = "mtpflow.drafters.dflash.config:TrainOptions"
 
     def __init__(self, target, options: dict, examples, cfg):
         opts = dict(options or {})

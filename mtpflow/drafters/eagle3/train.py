@@ -90,6 +90,7 @@ class Eagle3Trainer(TappedTrainer):
     """One run's EAGLE-3 trainer: a fresh drafter over the data's draft vocabulary."""
 
     kind = "eagle3"
+    options = "mtpflow.drafters.eagle3.config:TrainOptions"
 
     def __init__(self, target, options: dict, examples, cfg):
         opts = dict(options or {})

@@ -59,6 +59,8 @@ class AssistantTrainer(KindTrainer):
     assistant drafter, written as a loadable ``mtpflow_assistant`` folder."""
 
     kind = "assistant"
+    options = "mtpflow.drafters.mtpflow_assistant.config:TrainOptions"
+    takes_model_config = True
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -228,6 +228,7 @@ class MTPTrainer(KindTrainer):
     native layout (:func:`save_native`)."""
 
     kind = "mtp"
+    options = "mtpflow.drafters.native_mtp.config:TrainOptions"
 
     def __init__(self, target, options: dict, examples, cfg):
         opts = dict(options or {})
