@@ -26,7 +26,9 @@ tokens (next fit, in batch order).  Each pair sees only pairs of its own
 sample (a block-diagonal mask), its RoPE position restarts with the sample,
 and a pair whose prediction would leave its sample carries no loss: a pair
 ``i`` of depth ``k`` counts only when tokens ``i`` and ``i + k + 1`` belong to
-the same sample.
+the same sample.  The decoder blocks run at every slot (their pairs are the
+keys of the later ones); the target's LM head, for the labels and for each
+depth's logits, runs only at the slots that carry loss (:func:`loss_plan`).
 
 Loss weights per depth: ``depth_weights`` in ``--drafter-config`` (normalised),
 else ``--step-weights`` / ``--decay`` as for the other kinds.
