@@ -10,17 +10,28 @@ kind's K/V, the union of EAGLE-3's and DFlash's layer taps); then each kind
 trains ``--steps`` steps twice, recomputing the target's features per batch
 ("target") and reading them from the shared cache ("cache").  A run's rate is
 the tokens of steps 2.. over their time (step 1 pays the graph set-up), from
-its ``train_log.jsonl``.  On a shared machine compare the ratios, not the
-absolute figures: the last column is each run's rate over the assistant
-kind's cached rate.
+its ``train_log.jsonl`` (wall clock) and over the process CPU time of those
+steps.  On a shared machine compare the ratios, not the absolute figures: the
+last columns are each run's rate over the assistant kind's cached rate.
+
+    python scripts/bench_train_kinds.py --kinds assistant,mtp --sources cache --turns 3 --steps 3
+
+``--turns N`` runs every (kind, source) N times, the kinds alternating within
+a turn, and reports each ratio's median over the turns (each turn's ratio
+pairs runs made one after the other, so a load change between turns cancels).
+The FLOP columns are each run's last step (:mod:`mtpflow.train.flops`: three
+times the drafter's forward plus the labels' head) per token, and that run's
+share of the matmul rate probed in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +51,40 @@ def rate(out: Path) -> float:
     return (log[-1]["tokens_seen"] - log[0]["tokens_seen"]) / max(log[-1]["elapsed_s"] - log[0]["elapsed_s"], 1e-9)
 
 
+class StepCPU:
+    """The process CPU time of each optimiser step of the runs made while it is
+    installed (wraps ``_Loop.run_step``); :meth:`rate`: tokens per CPU second of
+    a run's steps 2.. (threads of this process add up, other processes' load
+    does not)."""
+
+    def __init__(self):
+        from mtpflow.train import optimize as opt_mod
+
+        self.steps: list[tuple[float, int]] = []
+        run_step = opt_mod._Loop.run_step
+        steps = self.steps
+
+        def timed(loop, *a, **kw):
+            c0 = time.process_time()
+            run_step(loop, *a, **kw)
+            steps.append((time.process_time() - c0, loop.tokens_seen))
+
+        opt_mod._Loop.run_step = timed
+
+    def rate(self) -> float:
+        st, self.steps[:] = list(self.steps), []
+        if len(st) < 2:
+            return float("nan")
+        return (st[-1][1] - st[0][1]) / max(sum(c for c, _ in st[1:]), 1e-9)
+
+
+def flop_figures(summary: dict) -> tuple[float, float]:
+    """``(MFLOP per token of the last step, share of the matmul rate)`` of a run's summary."""
+    fl = summary["train_speed"]["flops"]
+    tokens = summary["tokens_seen"] / max(summary["steps"], 1)
+    return fl["last_step_gflop"]["total"] * 1e3 / max(tokens, 1), fl["share_of_matmul"] or float("nan")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
@@ -47,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kinds", default="assistant,eagle3,dflash,mtp")
+    p.add_argument("--sources", default="target,cache", help="target, cache or both (comma-separated)")
+    p.add_argument("--turns", type=int, default=1, help="runs of every (kind, source); ratios: medians over them")
     args = p.parse_args(argv)
 
     from mtpflow.train.run import tap_layers, train
@@ -76,18 +123,37 @@ def main(argv=None) -> int:
         s = train(target, KIND_OPTIONS["assistant"], f"cache:{args.data}", tmp / "collect", kind="assistant",
                   cache_dir=str(cache), cache_taps=tuple(union), **dict(common, steps=1))
         print(f"collected {s['cache']['tokens']} tokens in {s['cache']['seconds']} s, taps {union}", file=sys.stderr)
-        for kind in kinds:
-            for how, spec in (("target", args.data), ("cache", f"cache:{args.data}")):
-                out = tmp / f"{kind}-{how}"
-                train(target, KIND_OPTIONS[kind], spec, out, kind=kind, cache_dir=str(cache), **common)
-                rows[(kind, how)] = rate(out)
-                print(f"{kind:9s} {how:6s} {rows[(kind, how)]:8.1f} tokens/s", file=sys.stderr)
-    ref = rows.get(("assistant", "cache"))
-    print(f"{'kind':9s} {'from':6s} {'tokens/s':>9s} {'/ assistant(cache)':>19s}")
-    for (kind, how), r in rows.items():
-        print(f"{kind:9s} {how:6s} {r:9.1f} {r / ref if ref else float('nan'):19.2f}")
-    print(json.dumps({f"{k}/{h}": round(r, 1) for (k, h), r in rows.items()}))
+        cpu = StepCPU()
+        sources = {"target": args.data, "cache": f"cache:{args.data}"}
+        runs = [(k, h) for k in kinds for h in args.sources.split(",")]
+        for turn in range(args.turns):
+            for kind, how in runs:
+                out = tmp / f"{kind}-{how}-{turn}"
+                s = train(target, KIND_OPTIONS[kind], sources[how], out, kind=kind, cache_dir=str(cache), **common)
+                rows.setdefault((kind, how), []).append((rate(out), cpu.rate(), *flop_figures(s)))
+                r = rows[(kind, how)][-1]
+                print(f"turn {turn} {kind:9s} {how:6s} {r[0]:8.1f} tokens/s {r[1]:8.1f} tokens/CPU-s "
+                      f"{r[2]:7.1f} MFLOP/token {r[3]:5.2f} of matmul", file=sys.stderr)
+    report(rows, args.turns)
     return 0
+
+
+def report(rows: dict, turns: int) -> None:
+    """The table: median rates, and the median over turns of each turn's ratio to assistant (cache)."""
+    ref = rows.get(("assistant", "cache"))
+
+    def ratio(runs, col):
+        if not ref:
+            return float("nan")
+        return statistics.median(r[col] / a[col] for r, a in zip(runs, ref))
+
+    print(f"{'kind':9s} {'from':6s} {'tokens/s':>9s} {'tok/CPU-s':>10s} {'MFLOP/tok':>10s} {'matmul':>7s} "
+          f"{'/ assistant(cache), wall':>25s} {'CPU':>6s}   (medians over {turns} turn(s))")
+    for (kind, how), runs in rows.items():
+        med = [statistics.median(r[c] for r in runs) for c in range(4)]
+        print(f"{kind:9s} {how:6s} {med[0]:9.1f} {med[1]:10.1f} {med[2]:10.1f} {med[3]:7.2f} "
+              f"{ratio(runs, 0):25.2f} {ratio(runs, 1):6.2f}")
+    print(json.dumps({f"{k}/{h}": [[round(x, 3) for x in r] for r in runs] for (k, h), runs in rows.items()}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ tokens (next fit, in batch order).  Each pair sees only pairs of its own
 sample (a block-diagonal mask), its RoPE position restarts with the sample,
 and a pair whose prediction would leave its sample carries no loss: a pair
 ``i`` of depth ``k`` counts only when tokens ``i`` and ``i + k + 1`` belong to
-the same sample.
+the same sample.  The decoder blocks run at every slot (their pairs are the
+keys of the later ones); the target's LM head, for the labels and for each
+depth's logits, runs only at the slots that carry loss (:func:`loss_plan`).
 
 Loss weights per depth: ``depth_weights`` in ``--drafter-config`` (normalised),
 else ``--step-weights`` / ``--decay`` as for the other kinds.
@@ -151,19 +153,59 @@ def mtp_outputs(head, embed, H: mx.array, toks: mx.array, seg: mx.array, pos: mx
     return outs
 
 
+def loss_plan(seg: np.ndarray, lmask: np.ndarray, depth: int):
+    """Where a packed batch's loss is (host arrays ``seg``, ``lmask`` ``[R, L]``):
+    ``(label_at [P], pairs)``.  ``pairs[k - 1] = (at [N_k], lab [N_k])``: the
+    flat slots ``r * L + i`` of depth ``k``'s pairs that carry loss (slot
+    ``i + k + 1`` a loss token of the same sample) and, for each, the index into
+    ``label_at`` of its label's slot ``i + k``; ``label_at``: the sorted slots
+    whose label some pair reads.  The LM heads and the labels are computed at
+    these slots only, not at the prompt, padding and sample ends."""
+    R, L = seg.shape
+    pairs = []
+    for k in range(1, depth + 1):
+        nxt_seg, nxt_loss = np.zeros_like(seg), np.zeros_like(lmask, dtype=bool)
+        if k + 1 < L:
+            nxt_seg[:, : L - k - 1], nxt_loss[:, : L - k - 1] = seg[:, k + 1:], lmask[:, k + 1:]
+        r, i = np.nonzero((seg > 0) & (nxt_seg == seg) & nxt_loss)
+        pairs.append(((r * L + i).astype(np.int32), (r * L + i + k).astype(np.int32)))
+    label_at = np.unique(np.concatenate([j for _, j in pairs])).astype(np.int32)
+    return label_at, [(at, np.searchsorted(label_at, j).astype(np.int32)) for at, j in pairs]
+
+
+def rows_at(x: mx.array, at) -> mx.array:
+    """``x [R, L, ...]`` at the flat slots ``at [N]`` -> ``[N, ...]``."""
+    R, L = x.shape[:2]
+    return mx.take(x.reshape(R * L, *x.shape[2:]), at if isinstance(at, mx.array) else mx.array(at), axis=0)
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
 def mtp_loss_terms(head, target, H, labels, toks, seg, pos, lmask, targets: str = "soft"):
     """Unnormalised per-depth ``(loss_sum [D], correct [D], count [D])``.
     ``labels``: the target's logits ``[R, L, V]`` at every packed slot (soft),
-    or its argmax ``[R, L]`` (hard)."""
+    or its argmax ``[R, L]`` (hard).  (Reads ``seg`` and ``lmask`` on the host:
+    the trainer plans its batches with :func:`loss_plan` and calls
+    :func:`mtp_planned_terms`.)"""
+    label_at, pairs = loss_plan(np.array(seg), np.array(lmask), head.depth)
+    lab = rows_at(labels, label_at)
+    lab = log_softmax(lab) if labels.ndim == 3 else lab
+    pairs = [(mx.array(at), mx.array(j)) for at, j in pairs]
+    return mtp_planned_terms(head, target, H, lab, toks, seg, pos, pairs, targets)
+
+
+def mtp_planned_terms(head, target, H, labels, toks, seg, pos, pairs, targets: str = "soft"):
+    """:func:`mtp_loss_terms` at the slots of :func:`loss_plan`: ``labels`` the
+    target's log-distributions ``[P, V]`` (soft) or argmax ``[P]`` (hard) at
+    ``label_at``, ``pairs`` the plan's ``(at, lab)`` per depth as arrays."""
     sums, correct, counts = [], [], []
-    soft = labels.ndim == 3
-    lab_all = labels - mx.logsumexp(labels, axis=-1, keepdims=True) if soft else labels
-    for k, out in enumerate(mtp_outputs(head, target.embed, H, toks, seg, pos), start=1):
-        logp = target.logits(out).astype(mx.float32)
-        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-        lab = shift(lab_all, k)  # the target's distribution of x_{i+k+1}
-        valid = (seg > 0) & (shift(seg, k + 1) == seg) & shift(lmask, k + 1)
-        s, c, n = step_terms(logp, lab, mx.argmax(lab, axis=-1) if soft else lab, valid, soft)
+    soft = labels.ndim == 2
+    for (at, j), out in zip(pairs, mtp_outputs(head, target.embed, H, toks, seg, pos)):
+        logp = log_softmax(target.logits(rows_at(out, at)).astype(mx.float32))
+        lab = mx.take(labels, j, axis=0)  # the target's distribution of x_{i+k+1}
+        s, c, n = step_terms(logp, lab, mx.argmax(lab, axis=-1) if soft else lab, mx.ones(at.shape, mx.bool_), soft)
         sums.append(s)
         correct.append(c)
         counts.append(n)
@@ -261,23 +303,24 @@ class MTPTrainer(KindTrainer):
 
     def batch(self, H: mx.array, toks_np, lmask_np, lens_np, argmax_np=None):
         """Pack one step's examples (``H [B, T, H]`` the target's post-norm
-        states of the padded batch) and make the labels.  ``argmax_np [B, T]``:
-        the target's greedy token wherever the next token carries loss (cached
+        states of the padded batch) and make the labels, at the slots that
+        carry loss only (:func:`loss_plan`).  ``argmax_np [B, T]``: the
+        target's greedy token wherever the next token carries loss (cached
         features), the hard labels without an LM-head product."""
         src, seg, pos = pack_plan(lens_np, self.max_len)
-        src_mx = mx.array(src)
-        Hp = _sg(gather_packed(H, src_mx))
+        Hp = _sg(gather_packed(H, mx.array(src)))
         toks = mx.array(toks_np.reshape(-1)[src])
-        lmask = mx.array(lmask_np.reshape(-1)[src] & (seg > 0))
+        label_at, pairs = loss_plan(seg, lmask_np.reshape(-1)[src] & (seg > 0), self.depth)
         if self.targets == "hard" and argmax_np is not None:
-            labels = mx.array(np.maximum(argmax_np.reshape(-1)[src], 0).astype(np.int32))
+            labels = mx.array(np.maximum(argmax_np.reshape(-1)[src].reshape(-1)[label_at], 0).astype(np.int32))
         else:
-            logits = self.target.logits(Hp)
-            labels = _sg(logits if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
-        return (Hp, labels, toks, mx.array(seg), mx.array(pos), lmask)
+            logits = self.target.logits(rows_at(Hp, label_at))
+            labels = _sg(log_softmax(logits) if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
+        pairs = [(mx.array(at), mx.array(j)) for at, j in pairs]
+        return (Hp, labels, toks, mx.array(seg), mx.array(pos), pairs)
 
-    def loss(self, model, H, labels, toks, seg, pos, lmask):
-        return mtp_loss_terms(model, self.target, H, labels, toks, seg, pos, lmask, self.targets)
+    def loss(self, model, H, labels, toks, seg, pos, pairs):
+        return mtp_planned_terms(model, self.target, H, labels, toks, seg, pos, pairs, self.targets)
 
     def save(self, out, dtype=None):
         save_native(self.model, self.target, out, dtype)
