@@ -154,3 +154,54 @@ def test_the_server_decodes_concurrent_requests_on_a_hybrid(ckpts):
         t.join(20)
         sock.close()
         app.state.scheduler.close()
+
+
+def _spy_masks(monkeypatch):
+    """Record every mask the head's MTP layers get and what they return."""
+    from mtpflow.drafters.native_mtp.module import MTPLayer
+
+    seen, call = [], MTPLayer.__call__
+
+    def spy(self, e, h, mask=None, cache=None):
+        out = call(self, e, h, mask, cache)
+        seen.append((mask, out))
+        return out
+
+    monkeypatch.setattr(MTPLayer, "__call__", spy)
+    return seen
+
+
+def test_a_single_row_runs_the_head_without_mask_arrays_and_the_same_as_with_them(ckpts, monkeypatch):
+    from mtpflow.drafters.native_mtp.qwen import QwenLayout
+
+    prompt, n = PROMPTS[0], 20
+    runs, seen = {}, _spy_masks(monkeypatch)
+    for plain in (False, True):
+        monkeypatch.setattr(QwenLayout, "plain_masks", plain)
+        seen.clear()
+        s = session(ckpts["qwen3_5"], 3)
+        outs = []
+        for _ in range(2):  # a second generation: the first one's row is dropped, not merged
+            s.reset_stats()
+            _, out = run_requests(s, [prompt], [n])
+            outs.append((out["0"], s.stats.as_dict()["accepted_per_position"]))
+        assert outs[0] == outs[1]
+        runs[plain] = (outs[0], list(seen))
+    (toks, per_pos), masked = runs[False]
+    assert toks == refs(session(ckpts["qwen3_5"], 3), [prompt], [n])[0] and sum(per_pos) > 0
+    assert runs[True][0] == runs[False][0]  # tokens and acceptance per position
+    plain = runs[True][1]
+    assert all(isinstance(m, mx.array) for m, _ in masked)
+    assert all(m is None or m == "causal" for m, _ in plain) and any(m is None for m, _ in plain)
+    assert len(plain) == len(masked)
+    for (_, a), (_, b) in zip(masked, plain):
+        assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_padded_and_ragged_rows_still_get_mask_arrays(ckpts, monkeypatch):
+    seen = _spy_masks(monkeypatch)
+    s = session(ckpts["qwen3_5"], 3)
+    assert s.drafter.family.plain_masks
+    _, out = run_requests(s, PROMPTS, MAX)
+    assert [out[str(i)] for i in range(3)] == refs(s, PROMPTS, MAX)
+    assert seen and all(isinstance(m, mx.array) for m, _ in seen)

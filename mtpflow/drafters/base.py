@@ -99,6 +99,14 @@ class RowCaches:
     next :meth:`sync`, which merges them in and puts every row in the live
     batch's order (rows that left are dropped) -- continuous batching and
     ragged batches need nothing else from the drafter.
+
+    ``dense`` (host-side): the caches hold one row whose used slots are all
+    valid, in position order (no left padding, no holes) -- what lets a
+    drafter run its layers with mlx-lm's ``None`` / ``"causal"`` masks
+    instead of building one from positions.  A batch added with
+    ``dense=True`` keeps it until rows merge or the drafter clears it (when
+    it leaves a hole); rows of an earlier generation, none of them live any
+    more, are dropped rather than merged.
     """
 
     def __init__(self):
@@ -109,24 +117,30 @@ class RowCaches:
         self.requests: list = []
         self.extras: dict = {}
         self.pending: list = []
+        self.dense = False
 
-    def add(self, requests: list, caches: list, extras: dict) -> None:
-        self.pending.append((list(requests), caches, dict(extras)))
+    def add(self, requests: list, caches: list, extras: dict, dense: bool = False) -> None:
+        self.pending.append((list(requests), caches, dict(extras), dense))
 
     def sync(self, rows) -> None:
         import mlx.core as mx
 
         from ..targets.cache import merge_caches
 
-        for requests, caches, extras in self.pending:
+        want = [r.request for r in rows]
+        if self.pending and self.caches is not None:
+            live = {id(r) for r in want}
+            if not any(id(r) in live for r in self.requests):  # an earlier generation's rows: gone
+                self.caches, self.requests, self.extras, self.dense = None, [], {}, False
+        for requests, caches, extras, dense in self.pending:
             if self.caches is None:
-                self.caches, self.requests, self.extras = caches, requests, extras
+                self.caches, self.requests, self.extras, self.dense = caches, requests, extras, dense
             else:
                 self.caches = merge_caches([self.caches, caches])
                 self.requests = self.requests + requests
                 self.extras = {k: mx.concatenate([v, extras[k]]) for k, v in self.extras.items()}
+                self.dense = False
         self.pending = []
-        want = [r.request for r in rows]
         if len(want) == len(self.requests) and all(a is b for a, b in zip(want, self.requests)):
             return
         index = {id(r): i for i, r in enumerate(self.requests)}
@@ -134,6 +148,7 @@ class RowCaches:
         if missing:
             raise RuntimeError(f"drafter state: rows {missing} were never prefilled through mtpflow_prefill")
         perm = mx.array([index[id(r)] for r in want], dtype=mx.int32)
+        self.dense = False  # rows left or moved (a dense batch is one row)
         for c in self.caches:
             c.select(perm)
         self.extras = {k: v[perm] for k, v in self.extras.items()}

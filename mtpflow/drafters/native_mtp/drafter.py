@@ -162,15 +162,25 @@ class NativeMTPDrafter:
     def last_out(self):
         return self.rows.extras["last_out"]
 
-    def _run(self, li: int, tokens, h, positions, caches=None):
+    def _run(self, li: int, tokens, h, positions, caches=None, dense: bool | None = None):
         """MTP layer ``li`` over pairs (``tokens [B, L]``, states ``h [B, L, H]``)
         at ``positions [B, L]`` (``-1``: no pair): appends their K/V to the
-        layer's caches, returns the outputs ``[B, L, H]``."""
+        layer's caches, returns the outputs ``[B, L, H]``.  ``dense`` (default:
+        the row caches'): one row whose cached and new positions follow one
+        another with no gap slot -- the block then gets mlx-lm's ``None`` /
+        ``"causal"`` mask (where its family takes them) and the caches' own
+        positions (``offset + i``, the same numbers)."""
         caches = caches if caches is not None else self._caches(li)
         B, L = positions.shape
+        c0 = caches[0]
+        if (self.rows.dense if dense is None else dense) and self.family.plain_masks:
+            start = positions[:, 0]
+            for c in caches:
+                c.offset = start
+            mask = None if L == 1 else "causal"
+            return self.model.layers[li](self.target.embed(tokens), h, mask, self.family.block_cache(caches))
         rel = mx.arange(L, dtype=mx.int32)[None]
         start = mx.max(mx.where(positions >= 0, positions - rel, -(2**30)), axis=1)
-        c0 = caches[0]
         old = c0.positions[:, : c0.idx] if c0.idx else mx.zeros((B, 0), mx.int32)
         kv = mx.concatenate([old, positions], axis=1)
         mask = (kv[:, None, :] >= 0) & (kv[:, None, :] <= positions[:, :, None])
@@ -197,10 +207,11 @@ class NativeMTPDrafter:
         """New rows: layer 0 over their whole prompts."""
         tokens, positions = self._pairs(state)
         caches = [c for _ in range(self.depth) for c in self.family.make_caches()]
-        out = self._run(0, tokens, self._hidden(state), positions, caches[: self.per_layer])
+        dense = state.size == 1  # one prompt: no left padding
+        out = self._run(0, tokens, self._hidden(state), positions, caches[: self.per_layer], dense=dense)
         last = out[:, -1]
         mx.async_eval([c.keys for c in caches[: self.per_layer]], last)
-        self.rows.add([r.request for r in state.rows], caches, {"last_out": last})
+        self.rows.add([r.request for r in state.rows], caches, {"last_out": last}, dense=dense)
 
     def _drop_chain(self, counts=None) -> None:
         """Drop the last proposal's chain slots; with host-side accepted
@@ -232,19 +243,25 @@ class NativeMTPDrafter:
             self._drop_chain(counts_host)
         self.rows.sync(state.rows)
         counts = mx.array(accepted.counts, dtype=mx.int32)
-        k1 = state.fwd_tokens.shape[1]
+        # pairs past every row's accepted count + 1 are no pair in any row: left out
+        k1 = min(state.fwd_tokens.shape[1], max(accepted.counts) + 1)
         rel = mx.arange(k1, dtype=mx.int32)[None]
         tokens, positions = self._pairs(state)
+        tokens, positions, hidden = tokens[:, :k1], positions[:, :k1], self._hidden(state)[:, :k1]
         tokens = mx.where(rel == counts[:, None], state.last_tokens[:, None], tokens)
         if counts_host is not None and self.settings_.context == "drafted" and self._last_chain0:
             # pairs whose chain entry stayed in layer 0's cache: pair i holds draft j = i + 1
             kept = mx.array([[j for j in self._last_chain0]], dtype=mx.int32)  # [1, n0]
             have = ((rel[:, :, None] + 1) == kept[:, None, :]).any(axis=-1) & (rel < counts[:, None])
             positions = mx.where(have, -1, positions)
-        out = self._run(0, tokens, self._hidden(state), positions)
+            self.rows.dense = False  # those pairs leave holes
+        out = self._run(0, tokens, hidden, positions)
         self.rows.extras["last_out"] = mx.take_along_axis(out, counts[:, None, None], axis=1)[:, 0]
         rows = [r.position for r in state.rows]
+        used = [c.idx for c in self.rows.caches]
         session.target.compact(self.rows.caches, n_valid_max=max(rows), min_positions=rows)
+        if used != [c.idx for c in self.rows.caches]:
+            self.rows.dense = False  # compacted: empty slots may lead
         mx.async_eval([c.keys for c in self.rows.caches], self.last_out)
         self._last_chain0 = []
 

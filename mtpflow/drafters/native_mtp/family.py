@@ -28,6 +28,10 @@ class Family:
     ``depth_field``: the config field holding the number of MTP layers.
     ``caches_per_layer``: SlotKVCaches one MTP layer's attention keeps (2 for
     DeepSeek-V3.2 / GLM-5's sparse attention: the latent K/V and the indexer keys).
+    ``plain_masks``: the block takes mlx-lm's ``None`` (one query) and
+    ``"causal"`` masks as well as a boolean array; then, while the head's
+    caches are dense (one row, no padding, no holes: ``RowCaches.dense``), the
+    drafter passes those instead of building an array mask every step.
 
     * :meth:`depth` -- ``D`` from the (text) config;
     * :meth:`selects` -- whether a checkpoint tensor name belongs to the head
@@ -47,6 +51,7 @@ class Family:
     model_types: tuple[str, ...] = ()
     depth_field = "num_nextn_predict_layers"
     caches_per_layer = 1
+    plain_masks = False
 
     @classmethod
     def depth(cls, config: dict) -> int:

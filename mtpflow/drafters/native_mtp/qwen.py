@@ -37,6 +37,8 @@ class QwenLayout(Family):
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
     depth_field = "mtp_num_hidden_layers"
     reads_metadata = True
+    #: mlx-lm's attention passes the mask to ``scaled_dot_product_attention`` as given
+    plain_masks = True
 
     @classmethod
     def selects(cls, key: str, config: dict) -> bool:
