@@ -96,6 +96,23 @@ def test_forward_equals_mlx_lm(ckpts, family):
     assert [type(c) for c in cache] == [RecurrentCache, RecurrentCache, SlotKVCache] * 2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(1, 1, 2, 16), (1, 3, 2, 16), (4, 5, 16, 128)])
+def test_fused_qk_norm_is_mlx_lms_normalize_qk_bit_for_bit(dtype, shape):
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    from mtpflow.targets.hybrid import _norm_qk, _qk_consts
+
+    B, S, Hk, Dk = shape
+    mx.random.seed(sum(shape))
+    q, k = (mx.random.normal(shape).astype(getattr(mx, dtype)) for _ in range(2))
+    want_q, want_k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    qk = _norm_qk(mx.concatenate([q, k], axis=2), *_qk_consts(Hk, Dk, q.dtype))
+    got_q, got_k = qk[:, :, :Hk], qk[:, :, Hk:]
+    assert got_q.dtype == want_q.dtype and got_k.dtype == want_k.dtype
+    assert mx.array_equal(got_q, want_q).item() and mx.array_equal(got_k, want_k).item()
+
+
 # -- rollback: the state after rejected drafts is a fresh prefill's ----------------------
 #: the state checks are bitwise, run where batched and one-row matmuls round
 #: alike: MLX's bundled reference BLAS, in a subprocess (OpenBLAS, the tests'
