@@ -171,15 +171,19 @@ def _spy_masks(monkeypatch):
     return seen
 
 
-def test_a_single_row_runs_the_head_without_mask_arrays_and_the_same_as_with_them(ckpts, monkeypatch):
+@pytest.mark.parametrize("depth,block", [(1, 3), (2, 4)])
+def test_a_single_row_runs_the_head_without_mask_arrays_and_the_same_as_with_them(ckpts, monkeypatch, depth, block):
     from mtpflow.drafters.native_mtp.qwen import QwenLayout
 
     prompt, n = PROMPTS[0], 20
+    path = ckpts["qwen3_5"] if depth == 1 else build(ckpts["root"], "qwen3_5", seed=0, mtp=True, name="d2", mtp_layers=2,
+                                                     **PREDICTABLE)
     runs, seen = {}, _spy_masks(monkeypatch)
     for plain in (False, True):
         monkeypatch.setattr(QwenLayout, "plain_masks", plain)
         seen.clear()
-        s = session(ckpts["qwen3_5"], 3)
+        s = session(path, block)
+        assert s.drafter.depth == depth
         outs = []
         for _ in range(2):  # a second generation: the first one's row is dropped, not merged
             s.reset_stats()
@@ -188,7 +192,7 @@ def test_a_single_row_runs_the_head_without_mask_arrays_and_the_same_as_with_the
         assert outs[0] == outs[1]
         runs[plain] = (outs[0], list(seen))
     (toks, per_pos), masked = runs[False]
-    assert toks == refs(session(ckpts["qwen3_5"], 3), [prompt], [n])[0] and sum(per_pos) > 0
+    assert toks == refs(session(path, block), [prompt], [n])[0] and sum(per_pos) > 0
     assert runs[True][0] == runs[False][0]  # tokens and acceptance per position
     plain = runs[True][1]
     assert all(isinstance(m, mx.array) for m, _ in masked)

@@ -41,6 +41,20 @@ import mlx.core as mx
 MODES = ("steps", "replay")
 
 
+_aranges: dict = {}
+
+
+def arange(n: int) -> mx.array:
+    """``arange(n)`` in int32, one array per ``n`` up to 256: made once, it is
+    a constant in every later graph (index arrays a round uses again and again)."""
+    if n > 256:
+        return mx.arange(n, dtype=mx.int32)
+    a = _aranges.get(n)
+    if a is None:
+        a = _aranges[n] = mx.arange(n, dtype=mx.int32)
+    return a
+
+
 def _step(q, k, v, g, beta, state, mask=None):
     """One Gated DeltaNet step (mlx-lm's compiled ops; heads already repeated)."""
     from mlx_lm.models.gated_delta import _gated_delta_step_ops
@@ -85,7 +99,7 @@ class RecurrentCache:
         """``[B, N]`` (false: a left-padding step) or ``None`` (no padding)."""
         if not self.padded:
             return None
-        return (self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]) >= 0
+        return (self.offset[:, None] + arange(N)[None]) >= 0
 
     def conv_input(self, qkv: mx.array) -> mx.array:
         """``[B, K-1+S, C]``: the window before this forward, then ``qkv``."""
@@ -139,7 +153,7 @@ class RecurrentCache:
             else:
                 self.recurrent = self._replay(prev, rec, n)
             return
-        idx = n[:, None] + mx.arange(K1, dtype=n.dtype)[None]
+        idx = n[:, None] + arange(K1).astype(n.dtype)[None]
         self.conv = mx.take_along_axis(conv_in, idx[:, :, None], axis=1)
         if self.mode == "steps" and host is not None:
             # each row's state, sliced from the step it stopped at: B states move, not B * (S + 1)

@@ -38,6 +38,7 @@ import mlx.nn as nn
 from ...errors import IncompatibleDrafter, TargetError
 from ...state import DraftBlock
 from ...targets.base import cast_floats, read_config
+from ...targets.recurrent import arange
 from ..base import RowCaches
 from .config import NativeMTPSettings, check_head
 from .families import family_for, text_config
@@ -179,12 +180,12 @@ class NativeMTPDrafter:
                 c.offset = start
             mask = None if L == 1 else "causal"
             return self.model.layers[li](self.target.embed(tokens), h, mask, self.family.block_cache(caches))
-        rel = mx.arange(L, dtype=mx.int32)[None]
+        rel = arange(L)[None]
         start = mx.max(mx.where(positions >= 0, positions - rel, -(2**30)), axis=1)
         old = c0.positions[:, : c0.idx] if c0.idx else mx.zeros((B, 0), mx.int32)
         kv = mx.concatenate([old, positions], axis=1)
         mask = (kv[:, None, :] >= 0) & (kv[:, None, :] <= positions[:, :, None])
-        own = mx.arange(c0.idx + L)[None, :] == (c0.idx + mx.arange(L))[:, None]  # no empty softmax row
+        own = arange(c0.idx + L)[None, :] == (c0.idx + arange(L))[:, None]  # no empty softmax row
         mask = (mask | own[None])[:, None]
         for c in caches:
             c.offset = start
@@ -228,7 +229,7 @@ class NativeMTPDrafter:
                 if max(kept):
                     keep = mx.array(kept, dtype=mx.int32)[:, None]
                     tail = c.positions[:, c.idx - n : c.idx]
-                    c.positions[:, c.idx - n : c.idx] = mx.where(mx.arange(n)[None] < keep, tail, -1)
+                    c.positions[:, c.idx - n : c.idx] = mx.where(arange(n)[None] < keep, tail, -1)
                 c.idx -= n - max(kept)
             self.chain[li] = []
 
@@ -242,21 +243,31 @@ class NativeMTPDrafter:
         else:
             self._drop_chain(counts_host)
         self.rows.sync(state.rows)
-        counts = mx.array(accepted.counts, dtype=mx.int32)
+        c = accepted.counts
         # pairs past every row's accepted count + 1 are no pair in any row: left out
-        k1 = min(state.fwd_tokens.shape[1], max(accepted.counts) + 1)
-        rel = mx.arange(k1, dtype=mx.int32)[None]
-        tokens, positions = self._pairs(state)
-        tokens, positions, hidden = tokens[:, :k1], positions[:, :k1], self._hidden(state)[:, :k1]
-        tokens = mx.where(rel == counts[:, None], state.last_tokens[:, None], tokens)
-        if counts_host is not None and self.settings_.context == "drafted" and self._last_chain0:
-            # pairs whose chain entry stayed in layer 0's cache: pair i holds draft j = i + 1
-            kept = mx.array([[j for j in self._last_chain0]], dtype=mx.int32)  # [1, n0]
-            have = ((rel[:, :, None] + 1) == kept[:, None, :]).any(axis=-1) & (rel < counts[:, None])
-            positions = mx.where(have, -1, positions)
-            self.rows.dense = False  # those pairs leave holes
-        out = self._run(0, tokens, hidden, positions)
-        self.rows.extras["last_out"] = mx.take_along_axis(out, counts[:, None, None], axis=1)[:, 0]
+        k1 = min(state.fwd_tokens.shape[1], max(c) + 1)
+        hidden = self._hidden(state)[:, :k1]
+        drafted = counts_host is not None and self.settings_.context == "drafted" and self._last_chain0
+        if min(c) == max(c) and not drafted:
+            # every row takes the same pairs (one row always): static slices, the last pair the bonus token's
+            tokens = mx.concatenate([state.fwd_tokens[:, 1:k1], state.last_tokens[:, None]], axis=1)
+            pos = state.fwd_positions[:, :k1]
+            out = self._run(0, tokens, hidden, pos + 1 if self.rows.dense else mx.where(pos >= 0, pos + 1, -1))
+            self.rows.extras["last_out"] = out[:, k1 - 1]
+        else:
+            counts = mx.array(c, dtype=mx.int32)
+            rel = arange(k1)[None]
+            tokens, positions = self._pairs(state)
+            tokens, positions = tokens[:, :k1], positions[:, :k1]
+            tokens = mx.where(rel == counts[:, None], state.last_tokens[:, None], tokens)
+            if drafted:
+                # pairs whose chain entry stayed in layer 0's cache: pair i holds draft j = i + 1
+                kept = mx.array([[j for j in self._last_chain0]], dtype=mx.int32)  # [1, n0]
+                have = ((rel[:, :, None] + 1) == kept[:, None, :]).any(axis=-1) & (rel < counts[:, None])
+                positions = mx.where(have, -1, positions)
+                self.rows.dense = False  # those pairs leave holes
+            out = self._run(0, tokens, hidden, positions)
+            self.rows.extras["last_out"] = mx.take_along_axis(out, counts[:, None, None], axis=1)[:, 0]
         rows = [r.position for r in state.rows]
         used = [c.idx for c in self.rows.caches]
         session.target.compact(self.rows.caches, n_valid_max=max(rows), min_positions=rows)
