@@ -101,13 +101,14 @@ def test_forward_equals_mlx_lm(ckpts, family):
 def test_fused_qk_norm_is_mlx_lms_normalize_qk_bit_for_bit(dtype, shape):
     from mlx_lm.models.gated_delta import normalize_qk
 
-    from mtpflow.targets.hybrid import _norm_qk, _qk_consts
+    from mtpflow.backend import fusion
+    from mtpflow.targets.hybrid import _qk_consts
 
     B, S, Hk, Dk = shape
     mx.random.seed(sum(shape))
     q, k = (mx.random.normal(shape).astype(getattr(mx, dtype)) for _ in range(2))
     want_q, want_k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-    qk = _norm_qk(mx.concatenate([q, k], axis=2), *_qk_consts(Hk, Dk, q.dtype))
+    qk = fusion.rms_norm(mx.concatenate([q, k], axis=2), *_qk_consts(Hk, Dk, q.dtype))
     got_q, got_k = qk[:, :, :Hk], qk[:, :, Hk:]
     assert got_q.dtype == want_q.dtype and got_k.dtype == want_k.dtype
     assert mx.array_equal(got_q, want_q).item() and mx.array_equal(got_k, want_k).item()
@@ -297,3 +298,24 @@ def test_the_prefix_cache_is_turned_off_with_one_line(ckpts):
     notes = [str(w.message) for w in caught if "prefix cache" in str(w.message)]
     assert len(notes) == 1 and "\n" not in notes[0] and "prefix_cache_mb = 0" in notes[0]
     assert s.prefix_cache is None and s.config.batch.prefix_cache_mb == 0
+
+
+def test_fused_targets_gated_deltanet_takes_the_fused_qk_norm_with_the_same_logits(ckpts, monkeypatch):
+    """``[generation] fuse_ops`` on: each Gated DeltaNet layer normalises q and k through
+    ``fusion.rms_norm`` (counted), and the prefill's logits equal the unfused target's bit for bit."""
+    from mtpflow.backend import fusion
+
+    t = Qwen35Target.from_path(ckpts["qwen3_5"])
+    seqs = [PROMPTS[0], PROMPTS[1][:5]]
+    _, plain = t.prefill(seqs)
+    calls = []
+    real = fusion.rms_norm
+    monkeypatch.setattr(fusion, "rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    assert fusion.fuse(t.model) > 0
+    try:
+        _, fused = t.prefill(seqs)
+    finally:
+        fusion.unfuse(t.model)
+    n_linear = sum(tt == "linear_attention" for tt in Qwen35Target.layer_types_of(json.loads((ckpts["qwen3_5"] / "config.json").read_text())))
+    assert n_linear > 0 and len(calls) >= n_linear
+    assert mx.array_equal(plain, fused).item()

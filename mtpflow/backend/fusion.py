@@ -50,6 +50,11 @@ def _rms_norm(x, weight, eps, inv_n):
     return (x32 * mx.rsqrt(mx.square(x32).sum(-1, keepdims=True) * inv_n + eps)).astype(x.dtype) * weight
 
 
+#: ``rms_norm(x, weight, eps, inv_n)``: ``mx.fast.rms_norm``'s fallback as one compiled node (``eps``
+#: and ``inv_n`` float32 arrays, ``weight`` any shape that broadcasts against ``x``)
+rms_norm = _rms_norm
+
+
 @partial(mx.compile, shapeless=True)
 def _rms_norm_offset(x, weight, eps, inv_n):
     # Gemma's norms scale by 1 + weight

@@ -18,11 +18,10 @@ the recurrent state at every prefix length it may serve.
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..backend import fusion
 from .base import FULL, TargetError
 from .cache import SlotKVCache
 from .mlxlm import MLXLMTarget, _text
@@ -32,29 +31,23 @@ LINEAR = "linear_attention"
 
 
 # mlx-lm's ``normalize_qk`` (L2 norms of q and k as ``mx.fast.rms_norm`` with its eps scaled, q
-# times ``Dk**-1``, k times ``Dk**-0.5``) as one compiled function over q and k side by side.  On a
-# CPU stream ``mx.fast.rms_norm`` has no kernel and runs this very fallback (float32, the mean a
-# sum times ``1 / n``), one graph of ~11 nodes per call; compiled, it is a few nodes for both, and
-# the values are the same bit for bit (``tests/test_hybrid.py`` compares them).
-@partial(mx.compile, shapeless=True)
-def _norm_qk(qk, eps, inv_n, scale):
-    x = qk.astype(mx.float32)
-    return (x * mx.rsqrt(mx.square(x).sum(-1, keepdims=True) * inv_n + eps)).astype(qk.dtype) * scale
-
-
+# times ``Dk**-1``, k times ``Dk**-0.5``) as one fused RMSNorm over q and k side by side, the two
+# factors its per-head weight.  Where ``[generation] fuse_ops`` is on (the CPU, which has no
+# ``mx.fast.rms_norm`` kernel and runs a graph of ~11 nodes per call), the values are the same bit
+# for bit (``tests/test_hybrid.py`` compares them); elsewhere mlx-lm's own function runs.
 _qk_memo: dict = {}
 
 
 def _qk_consts(Hk: int, Dk: int, dtype) -> tuple:
-    """``(eps, 1 / Dk, scale [2 Hk, 1])`` for :func:`_norm_qk`: the scale is
+    """``(scale [2 Hk, 1], eps, 1 / Dk)`` for :func:`fusion.rms_norm`: the scale is
     ``Dk**-1`` for q's heads, ``Dk**-0.5`` for k's, in ``dtype`` (as mlx-lm's
     Python-float factors are cast)."""
     key = (Hk, Dk, dtype)
     c = _qk_memo.get(key)
     if c is None:
         inv = Dk**-0.5
-        c = _qk_memo[key] = (mx.array(1e-6 * inv**2, mx.float32), mx.array(1.0 / Dk, mx.float32),
-                             mx.array([inv**2] * Hk + [inv] * Hk, mx.float32)[:, None].astype(dtype))
+        c = _qk_memo[key] = (mx.array([inv**2] * Hk + [inv] * Hk, mx.float32)[:, None].astype(dtype),
+                             mx.array(1e-6 * inv**2, mx.float32), mx.array(1.0 / Dk, mx.float32))
         mx.eval(*c)
     return c
 
@@ -77,9 +70,9 @@ class _RecordingGDN:
         conv_out = nn.silu(self.conv1d(conv_in))
         Hk, Dk = self.num_k_heads, self.head_k_dim
         v = conv_out[..., 2 * self.key_dim :].reshape(B, S, self.num_v_heads, self.head_v_dim)
-        if mx.default_device() == mx.cpu:
-            # q and k side by side, normalised and scaled in one fused op (see _norm_qk)
-            qk = _norm_qk(conv_out[..., : 2 * self.key_dim].reshape(B, S, 2 * Hk, Dk), *_qk_consts(Hk, Dk, conv_out.dtype))
+        if fusion.is_fused(self.out_proj):
+            # q and k side by side, normalised and scaled in one fused op (see _qk_consts)
+            qk = fusion.rms_norm(conv_out[..., : 2 * self.key_dim].reshape(B, S, 2 * Hk, Dk), *_qk_consts(Hk, Dk, conv_out.dtype))
             q, k = qk[:, :, :Hk], qk[:, :, Hk:]
         else:
             q, k = (conv_out[..., i * self.key_dim : (i + 1) * self.key_dim].reshape(B, S, Hk, Dk) for i in (0, 1))
