@@ -201,14 +201,16 @@ def target_only_greedy(target, prompt: list[int], max_tokens: int, stop_ids=()) 
     the same adapter (used by tests and benchmarks): the engine's prefill (as
     mlx-lm's generate loop, the prompt's last token alone), then one-token
     forwards on the same cache, with the masks mlx-lm passes (none for one
-    query)."""
+    query), each token the argmax of the logits' log-probabilities, as mlx-lm picks it."""
     import mlx.core as mx
+
+    from .sampling import greedy_tokens
 
     cache, h = target.prefill([list(prompt)])
     h = h[:, None]
     out: list[int] = []
     while True:
-        tok = int(mx.argmax(target.logits(h[:, -1]), axis=-1).item())
+        tok = int(greedy_tokens(target.logits(h[:, -1]))[0].item())
         if tok in stop_ids:
             break
         out.append(tok)

@@ -73,7 +73,7 @@ def mtpflow_counts(args, prompts) -> dict:
         "generation": {"bucket_shapes": args.bucket_shapes},
     }), log=null_logger())
     refs = [target_only_greedy(s.target, p, args.max_tokens) for p in prompts]
-    out = {"dtype": s.dtype, "paths": args.paths, "runs": []}
+    out = {"dtype": s.dtype, "paths": args.paths, "runs": [], "target_only_vs_mlx_lm": mlx_lm_counts(s, prompts, refs, args)}
     for k in args.block_sizes:
         s.block_policy.size = k
         for batch in sorted({1, args.batch}):
@@ -94,6 +94,23 @@ def mtpflow_counts(args, prompts) -> dict:
                         diffs.append({"prompt": i, "first_diff": d})
             out["runs"].append({"block_size": k, "batch": batch, "equal": same, "of": len(prompts), "diffs": diffs})
     return out
+
+
+def mlx_lm_counts(s, prompts, refs, args) -> dict:
+    """mtpflow's target-only tokens against mlx-lm's ``generate_step`` on the same model object
+    (its own caches, masks and greedy pick): equal where both run the same kernels."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    same, diffs = 0, []
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        steps = generate_step(mx.array(p), s.target.model, max_tokens=args.max_tokens)
+        toks = [int(t) for t, _ in zip((t for t, _ in steps), range(args.max_tokens))]
+        d = first_diff(toks, ref)
+        same += d is None
+        if d is not None:
+            diffs.append({"prompt": i, "first_diff": d})
+    return {"equal": same, "of": len(prompts), "diffs": diffs}
 
 
 def mlx_vlm_counts(args, prompts) -> dict:

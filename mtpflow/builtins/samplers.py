@@ -67,10 +67,10 @@ class GreedySampler(_Processors):
         self.rows = list(rows)
 
     def first(self, logits, state):
-        import mlx.core as mx
+        from mtpflow.sampling import greedy_tokens
 
         rows = self.rows if state is None else state.rows
-        return mx.argmax(self._pre(logits, rows), axis=-1).astype(mx.int32)
+        return greedy_tokens(self._pre(logits, rows))
 
     def supports_trees(self, state) -> bool:
         return not self.processors and not self._constrained(state.rows)  # they read the drafts as a chain
@@ -81,13 +81,11 @@ class GreedySampler(_Processors):
         return not self.processors and not self._constrained(state.rows)
 
     def accept(self, logits, draft, state):
-        import mlx.core as mx
-
-        from mtpflow.sampling import greedy_accept
+        from mtpflow.sampling import greedy_accept, greedy_tokens
         from mtpflow.state import AcceptResult
 
         if draft.is_tree:
-            return _tree_result(state, draft, mx.argmax(logits, axis=-1).astype(mx.int32))
+            return _tree_result(state, draft, greedy_tokens(logits))
         counts, tokens = greedy_accept(self._pre(logits, state.rows, draft.tokens), draft.tokens, draft.active)
         return AcceptResult(counts=counts, tokens=tokens)
 
@@ -203,7 +201,9 @@ class RejectionSampler(_Processors):
         self._sync(rows)
         logits = self._pre(logits, rows)
         if self.params.all_greedy and not self.params.reads_context:
-            return mx.argmax(logits, axis=-1).astype(mx.int32)  # no randomness needed
+            from mtpflow.sampling import greedy_tokens
+
+            return greedy_tokens(logits)  # no randomness needed
         context, starts = self._context(rows)
         lp = process_logits(logits, self.params, context, completion_start=starts)
         # the first generated token sits right after the prompt

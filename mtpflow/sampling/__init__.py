@@ -51,7 +51,7 @@ importable from here.
 from __future__ import annotations
 
 from mtpflow.sampling.accept import coupled_accept, coupled_sample, greedy_accept, position_keys, rejection_accept
-from mtpflow.sampling.draw import greedy, row_keys, sample, sample_logits, split_keys
+from mtpflow.sampling.draw import greedy, greedy_tokens, row_keys, sample, sample_logits, split_keys
 from mtpflow.sampling.logits import presence_mask, process_logits, token_counts
 from mtpflow.sampling.params import ProcessParams
 from mtpflow.sampling.tree import tree_accept, tree_visibility
@@ -65,6 +65,7 @@ __all__ = [
     "rejection_accept",
     "sample",
     "greedy",
+    "greedy_tokens",
     "sample_logits",
     "split_keys",
     "row_keys",

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpflow.sampling.draw import _uniform, sample, split_keys
+from mtpflow.sampling.draw import _uniform, greedy_tokens, sample, split_keys
 from mtpflow.sampling.logits import _NEG_INF, _as_array
 
 __all__ = ["greedy_accept", "rejection_accept", "position_keys", "coupled_sample", "coupled_accept"]
@@ -25,13 +25,14 @@ def greedy_accept(target_logits: Any, draft_tokens: Any, active: Any = None) -> 
     """Exact-match acceptance against the target argmax.
 
     ``target_logits`` ``[B, k+1, V]`` (raw or processed -- argmax is the
-    same for greedy rows after bias/penalty), ``draft_tokens`` ``[B, k]``.
+    same for greedy rows after bias/penalty; the argmax is mlx-lm's, see
+    :func:`~mtpflow.sampling.draw.greedy_tokens`), ``draft_tokens`` ``[B, k]``.
     Returns ``counts`` ``[B]`` int32 (longest prefix with
     ``draft == argmax``) and ``tokens`` ``[B, k+1]`` int32 = the argmax at
     every position; the caller emits ``tokens[b, :counts[b] + 1]``.
     ``active`` ``[B]`` bool (optional): inactive rows accept nothing.
     """
-    sel = mx.argmax(_as_array(target_logits), axis=-1).astype(mx.int32)
+    sel = greedy_tokens(target_logits)  # as mlx-lm picks a greedy token (its dtype's log-probabilities)
     k = sel.shape[1] - 1
     if k == 0:  # nothing drafted: the argmax alone
         return mx.zeros((sel.shape[0],), dtype=mx.int32), sel

@@ -73,6 +73,19 @@ def greedy(logprobs: Any) -> mx.array:
     return mx.argmax(logprobs, axis=-1).astype(mx.int32)
 
 
+def greedy_tokens(logits: Any) -> mx.array:
+    """The greedy token of raw logits ``[..., V] -> [...]`` int32, picked as mlx-lm's and
+    mlx-vlm's generate loops pick it: the argmax of the log-probabilities ``logits -
+    logsumexp(logits)``, computed in the logits' own dtype.  In bf16 the log-probabilities sit
+    on a coarser grid than the logits (a log-probability near -9 has a step of 1/16, a logit
+    near 1 one of 1/128), so two nearly tied logits can round to one log-probability, and
+    argmax then takes the lower id where an argmax of the logits would take the other (a
+    random Gemma 4 pair in bf16: 1 step in 256, enough to part a 32-token greedy output from
+    mlx-lm's on 1 prompt in 8)."""
+    x = _as_array(logits)
+    return mx.argmax(x - mx.logsumexp(x, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+
+
 def sample_logits(
     logits: Any,
     params: ProcessParams,

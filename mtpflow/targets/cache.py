@@ -33,6 +33,14 @@ class SlotKVCache:
     #: layer does (``False``: an array mask, the masks before; ``scripts/lowp_equality.py
     #: --paths before`` compares the two)
     causal_in_window = True
+    #: a dense sliding layer past its window hands a one-query step its last ``window`` slots in a
+    #: buffer of their own (``None``: on a GPU).  MLX's CUDA attention runs a one-query step over
+    #: >= 256 keys through cuDNN when the keys look like a slice of a cache buffer of whole
+    #: 256-slot steps, and then reads them from the buffer's start (mlx 0.32: ``unslice_kv``
+    #: drops the slice's offset): right for mlx-lm's caches, whose slices start at slot 0, wrong
+    #: for a window that starts later.  Its own buffer of ``window`` slots is what mlx-lm's
+    #: rotating cache hands over, so the kernel is the one mlx-lm's step runs
+    window_buffer: bool | None = None
 
     def __init__(self, window: int | None = None, retain: int | None = None):
         self.window = window
@@ -87,7 +95,12 @@ class SlotKVCache:
             self.positions[:, prev : self.idx] = new_pos
             if self._windowed(L):  # the slots a single query sees (see make_mask)
                 lo = self.idx - self.window
-                return self.keys[..., lo : self.idx, :], self.values[..., lo : self.idx, :]
+                k, v = self.keys[..., lo : self.idx, :], self.values[..., lo : self.idx, :]
+                own = self.window_buffer if self.window_buffer is not None else _on_gpu()
+                if own:
+                    rows = mx.arange(lo, self.idx)
+                    k, v = mx.take(self.keys, rows, axis=2), mx.take(self.values, rows, axis=2)
+                return k, v
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def _windowed(self, N: int) -> bool:
@@ -236,13 +249,31 @@ class SlotKVCache:
         B = pos.shape[0]
         newpos = mx.take_along_axis(mx.where(valid, pos, -1), order, axis=1)
         gather = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
-        self.values = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
-        self.positions = newpos.reshape(B, n_keep)
+        keys = mx.take_along_axis(self.keys[..., : self.idx, :], gather, axis=2)
+        values = mx.take_along_axis(self.values[..., : self.idx, :], gather, axis=2)
+        positions = newpos.reshape(B, n_keep)
+        # the buffer keeps a whole number of steps, as mlx-lm's KVCache does: on CUDA a one-query
+        # step over >= 256 keys runs cuDNN only on keys sliced from such a buffer (else the vector
+        # kernel), so a compacted cache would run another kernel than a fresh one or mlx-lm's
+        pad = -n_keep % self.step
+        if pad:
+            keys = mx.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
+            values = mx.pad(values, ((0, 0), (0, 0), (0, pad), (0, 0)))
+            positions = mx.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
+        self.keys, self.values, self.positions = keys, values, positions
         self.idx = n_keep
 
 
 _last_advance: tuple = (None, 0, None, None)
+_gpu: bool | None = None
+
+
+def _on_gpu() -> bool:
+    """Whether MLX's default device is a GPU (asked once)."""
+    global _gpu
+    if _gpu is None:
+        _gpu = mx.default_device().type == mx.DeviceType.gpu
+    return _gpu
 
 
 def _advance(offset: mx.array, L: int):
