@@ -70,7 +70,7 @@ def calls(monkeypatch):
     from mlx_lm.models import cache as lm_cache
 
     got, where = [], {}
-    monkeypatch.setattr(slot_cache, "_on_gpu", lambda: True, raising=False)
+    monkeypatch.setattr(slot_cache, "_on_cuda", lambda: True, raising=False)
 
     def slot_update(self, keys, values, _f=slot_cache.SlotKVCache.update_and_fetch):
         k, v = _f(self, keys, values)

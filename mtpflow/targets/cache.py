@@ -34,7 +34,7 @@ class SlotKVCache:
     #: --paths before`` compares the two)
     causal_in_window = True
     #: a dense sliding layer past its window hands a one-query step its last ``window`` slots in a
-    #: buffer of their own (``None``: on a GPU).  MLX's CUDA attention runs a one-query step over
+    #: buffer of their own (``None``: on a CUDA GPU).  MLX's CUDA attention runs a one-query step over
     #: >= 256 keys through cuDNN when the keys look like a slice of a cache buffer of whole
     #: 256-slot steps, and then reads them from the buffer's start (mlx 0.32: ``unslice_kv``
     #: drops the slice's offset): right for mlx-lm's caches, whose slices start at slot 0, wrong
@@ -96,7 +96,7 @@ class SlotKVCache:
             if self._windowed(L):  # the slots a single query sees (see make_mask)
                 lo = self.idx - self.window
                 k, v = self.keys[..., lo : self.idx, :], self.values[..., lo : self.idx, :]
-                own = self.window_buffer if self.window_buffer is not None else _on_gpu()
+                own = self.window_buffer if self.window_buffer is not None else _on_cuda()
                 if own:
                     rows = mx.arange(lo, self.idx)
                     k, v = mx.take(self.keys, rows, axis=2), mx.take(self.values, rows, axis=2)
@@ -268,11 +268,13 @@ _last_advance: tuple = (None, 0, None, None)
 _gpu: bool | None = None
 
 
-def _on_gpu() -> bool:
-    """Whether MLX's default device is a GPU (asked once)."""
+def _on_cuda() -> bool:
+    """Whether MLX's default device is a CUDA GPU, whose cuDNN decoding path reads a slice from
+    its buffer's start (asked once; Metal's kernels take the slice's offset)."""
     global _gpu
     if _gpu is None:
-        _gpu = mx.default_device().type == mx.DeviceType.gpu
+        cuda = getattr(mx, "cuda", None)
+        _gpu = mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
     return _gpu
 
 
