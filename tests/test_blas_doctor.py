@@ -28,7 +28,7 @@ linux_only = pytest.mark.skipif(not LINUX, reason="OpenBLAS preloading is Linux-
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("LD_PRELOAD", _blas.ENV_BLAS, _blas.ENV_REEXEC_GUARD):
+    for key in ("LD_PRELOAD", _blas.ENV_BLAS, _blas.ENV_REEXEC_GUARD, _blas.ENV_CORETYPE):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
@@ -218,3 +218,72 @@ def test_cli_doctor_subcommand(openblas_path):
         )
     )
     assert report["blas"]["in_effect"] is True, report["blas"]
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse sse2 ssse3 {flags}
+
+processor\t: 1
+vendor_id\t: {vendor}
+flags\t\t: fpu
+"""
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, expected",
+    [
+        ("GenuineIntel", "avx avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl avx512_bf16", "SkylakeX"),
+        ("GenuineIntel", "avx avx2 fma avx512f", "Haswell"),  # AVX-512 foundation alone is not SkylakeX
+        ("GenuineIntel", "avx avx2 fma", "Haswell"),
+        ("GenuineIntel", "avx avx2", None),
+        ("AuthenticAMD", "avx avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl", None),
+    ],
+)
+def test_coretype_follows_the_first_processors_flags_on_intel(vendor, flags, expected):
+    name, why = _blas.coretype_for(CPUINFO.format(vendor=vendor, flags=flags))
+    assert name == expected, why
+    assert why
+
+
+def _core_report(**env: str) -> dict:
+    return _json_from(
+        _run(
+            """
+            import json
+            from mtpflow.backend import blas as _blas
+            r = _blas.ensure_fast_blas()
+            import mlx.core as mx
+            mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
+            info = _blas.blas_info()
+            print(json.dumps({"ensure": r, "core": info["openblas_core"], "coretype": info["coretype"],
+                              "source": info["coretype_source"]}))
+            """,
+            **env,
+        )
+    )
+
+
+@linux_only
+def test_openblas_runs_the_kernels_the_cpu_supports(openblas_path):
+    """On a CPU newer than OpenBLAS's table (Debian 12's 0.3.21 on an Emerald Rapids Xeon picks
+    the SSE3 'Prescott' kernels, ~6x slower), the preload chooses the core type from the flags."""
+    with open("/proc/cpuinfo") as fh:
+        expected, _ = _blas.coretype_for(fh.read())
+    out = _core_report()
+    assert out["ensure"]["status"] == "loaded", out
+    if expected is None:
+        assert out["coretype"] is None and out["core"], out
+    else:
+        assert out["coretype"] == expected and out["source"].startswith("set by mtpflow"), out
+        assert out["core"].lower() == expected.lower(), out
+
+
+@linux_only
+def test_an_openblas_coretype_of_the_users_wins(openblas_path):
+    out = _core_report(OPENBLAS_CORETYPE="Prescott")
+    assert out["core"] == "Prescott" and out["coretype"] == "Prescott", out
+    assert "environment" in out["source"], out

@@ -26,11 +26,27 @@ extension modules with ``RTLD_NOW``, so the slot is bound once, when
   :func:`blas_info` reads libmlx's actual ``cblas_sgemm`` slot and reports the
   library it points into.
 
+Which kernels OpenBLAS runs
+---------------------------
+A ``DYNAMIC_ARCH`` OpenBLAS picks its kernels from the CPU's family and model
+when it loads.  A CPU newer than the library's table falls back to the generic
+``Prescott`` (SSE3) kernels: Debian 12's OpenBLAS 0.3.21 on an Emerald Rapids
+Xeon (family 6, model 207) multiplies 1024³ float32 matrices at ~30-45 GFLOP/s
+on 2 cores, against ~180-270 with its AVX-512 (``SkylakeX``) kernels.  So on an
+Intel CPU, when ``OPENBLAS_CORETYPE`` is unset, :func:`ensure_fast_blas` sets it
+from the CPU's flags before it loads the library (:func:`coretype_for`):
+``SkylakeX`` with AVX-512 (F, CD, BW, DQ, VL), ``Haswell`` with AVX2 and FMA.
+These are the single-precision kernels OpenBLAS's own table gives those CPUs.
+Other vendors keep OpenBLAS's own choice; an ``OPENBLAS_CORETYPE`` of the
+user's always wins.
+
 Environment
 -----------
 ``MTPFLOW_BLAS``
     unset: search the usual distro paths; ``none``/``off``/``0``: disable;
     anything else: path of the BLAS shared library to load.
+``OPENBLAS_CORETYPE``
+    read by OpenBLAS itself; set here on Intel CPUs when unset (see above).
 
 Importing this module has no side effects.
 """
@@ -45,6 +61,12 @@ import sys
 from typing import Any
 
 ENV_BLAS = "MTPFLOW_BLAS"
+ENV_CORETYPE = "OPENBLAS_CORETYPE"
+#: CPU flags (``/proc/cpuinfo``) each core type needs, best first.
+_CORETYPE_FLAGS = (
+    ("SkylakeX", frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})),
+    ("Haswell", frozenset({"avx2", "fma"})),
+)
 ENV_REEXEC_GUARD = "MTPFLOW_BLAS_REEXECED"
 _DISABLED_VALUES = {"none", "off", "0", "false", "no", "disable", "disabled"}
 
@@ -115,6 +137,42 @@ def _resolve_requested() -> tuple[str, str | None, str]:
     return "auto", find_blas_library(), "searched distro paths"
 
 
+def coretype_for(cpuinfo: str) -> tuple[str | None, str]:
+    """``(OPENBLAS_CORETYPE to set or None, why)`` for a ``/proc/cpuinfo`` text:
+    a core type on Intel x86-64 CPUs with AVX-512 or AVX2 + FMA, else ``None``."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+        if "processor" in fields and line.strip() == "":
+            break  # the first processor's block is enough
+    vendor, flags = fields.get("vendor_id", ""), set(fields.get("flags", "").split())
+    if vendor != "GenuineIntel":
+        return None, f"{vendor or 'unknown vendor'}: OpenBLAS's own choice"
+    for name, needed in _CORETYPE_FLAGS:
+        if needed <= flags:
+            return name, f"GenuineIntel with {', '.join(sorted(needed))}"
+    return None, "GenuineIntel without AVX2: OpenBLAS's own choice"
+
+
+def _choose_coretype() -> dict[str, Any]:
+    """Set ``OPENBLAS_CORETYPE`` from the CPU when it is unset (Linux x86-64)."""
+    if ENV_CORETYPE in os.environ:
+        return {"coretype": os.environ[ENV_CORETYPE], "coretype_source": f"{ENV_CORETYPE} from the environment"}
+    if _multiarch() != "x86_64-linux-gnu":
+        return {"coretype": None, "coretype_source": "not x86-64: OpenBLAS's own choice"}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            name, why = coretype_for(fh.read())
+    except OSError as exc:
+        return {"coretype": None, "coretype_source": f"/proc/cpuinfo unreadable ({exc}): OpenBLAS's own choice"}
+    if name is not None:
+        os.environ[ENV_CORETYPE] = name
+        why = f"set by mtpflow: {why}"
+    return {"coretype": name, "coretype_source": why}
+
+
 def ensure_fast_blas() -> dict[str, Any]:
     """Load OpenBLAS with ``RTLD_GLOBAL`` so that MLX binds to it.
 
@@ -172,6 +230,7 @@ def ensure_fast_blas() -> dict[str, Any]:
         )
     if not os.path.exists(path):
         return done("error", f"{path} does not exist ({why})")
+    result.update(_choose_coretype())
     try:
         _HANDLE = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
     except OSError as exc:
@@ -200,6 +259,7 @@ def reexec_with_preload(argv: list[str] | None = None) -> None:
     if argv is None:
         orig = list(getattr(sys, "orig_argv", []) or [])
         argv = orig[1:] if orig else list(sys.argv)
+    _choose_coretype()
     env = dict(os.environ)
     env[ENV_REEXEC_GUARD] = "1"
     env["LD_PRELOAD"] = " ".join([path, *_ld_preload_entries()])
@@ -342,13 +402,13 @@ def _mlx_sgemm_binding() -> dict[str, Any]:
     return {"provider": provider, "libmlx": path, "note": note}
 
 
-def _openblas_config() -> str | None:
+def _openblas_config(symbol: str = "openblas_get_config") -> str | None:
     try:
-        fn = ctypes.CDLL(None).openblas_get_config  # global scope only
+        fn = getattr(ctypes.CDLL(None), symbol)  # global scope only
     except (OSError, AttributeError):
         fn = None
     if fn is None and _HANDLE is not None:
-        fn = getattr(_HANDLE, "openblas_get_config", None)
+        fn = getattr(_HANDLE, symbol, None)
     if fn is None:
         return None
     fn.restype = ctypes.c_char_p
@@ -386,6 +446,9 @@ def blas_info() -> dict[str, Any]:
         "openblas_in_effect": None,
         "in_effect": None,
         "openblas_config": None,
+        "openblas_core": None,
+        "coretype": (_STATE or {}).get("coretype", os.environ.get(ENV_CORETYPE)),
+        "coretype_source": (_STATE or {}).get("coretype_source", ""),
     }
     if sys.platform == "darwin":
         info["sgemm_binding_note"] = "macOS: MLX uses Accelerate"
@@ -408,14 +471,17 @@ def blas_info() -> dict[str, Any]:
         info["in_effect"] = is_openblas or is_requested
         if is_openblas:
             info["openblas_config"] = _openblas_config()
+            info["openblas_core"] = _openblas_config("openblas_get_corename")
     return info
 
 
 __all__ = [
     "ENV_BLAS",
+    "ENV_CORETYPE",
     "ENV_REEXEC_GUARD",
     "blas_info",
     "candidate_paths",
+    "coretype_for",
     "ensure_fast_blas",
     "find_blas_library",
     "reexec_with_preload",
