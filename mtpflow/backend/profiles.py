@@ -33,6 +33,8 @@ class Profile:
     compile_elementwise: bool
     #: a verify padded to bucket shapes: tokens or tree nodes, and batch rows (:mod:`mtpflow.backend.shapes`)
     bucket_shapes: bool
+    #: training losses take ``exp`` as ``mx.power(e, x)`` (and log-softmax from it: :mod:`mtpflow.train.objective`)
+    power_exp: bool
     #: ``{tuning: the measurement or reason}``
     why: dict
 
@@ -45,7 +47,11 @@ PROFILES: dict[str, Profile] = {
         blas_preload=True,
         compile_elementwise=True,
         bucket_shapes=False,
+        power_exp=True,
         why={
+            "power_exp": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] 0.32.4's exp costs "
+                         "~8x a multiply on x86-64 and mx.power(e, x) less than half of it, to 1e-6; a "
+                         "soft-label KL over an 8192-token head, forward and backward, 1.5x faster",
             "bucket_shapes": "measured (docs/benchmarks.md 'Chains and trees'): a CPU verify's cost grows with its tokens "
                              "(and not monotonically), so padding costs compute; MLX's CPU kernels are not "
                              "compiled per shape",
@@ -66,7 +72,9 @@ PROFILES: dict[str, Profile] = {
         blas_preload=False,
         compile_elementwise=True,
         bucket_shapes=True,
+        power_exp=False,
         why={
+            "power_exp": "exp is one GPU kernel like power; not measured on Metal",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
                              "48-token run took ~25 s); not measured on Metal",
@@ -85,7 +93,9 @@ PROFILES: dict[str, Profile] = {
         blas_preload=False,
         compile_elementwise=True,
         bucket_shapes=True,
+        power_exp=False,
         why={
+            "power_exp": "exp is one GPU kernel like power; not measured on CUDA",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
                              "48-token run took ~25 s)",

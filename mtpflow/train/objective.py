@@ -4,8 +4,38 @@ and the draft vocabulary."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
+
+
+def _power_exp() -> bool:
+    from ..backend.profiles import current
+
+    return current().power_exp
+
+
+def exp(x: mx.array) -> mx.array:
+    """``e ** x``; on a device whose profile says ``power_exp`` (the CPU) as
+    ``mx.power(e, x)``, which mlx[cpu] computes in less than half the time of
+    ``mx.exp`` on x86-64 (to 1e-6 relative), with a backward that reuses it."""
+    return mx.power(math.e, x) if _power_exp() else mx.exp(x)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """``log(sum(exp(x)))`` over the last axis, kept; with :func:`exp` (its
+    gradient, the softmax, reuses the forward's ``exp``)."""
+    if not _power_exp():
+        return mx.logsumexp(x, axis=-1, keepdims=True)
+    m = mx.max(x, axis=-1, keepdims=True)
+    m = mx.stop_gradient(mx.where(mx.isinf(m), 0.0, m))  # a row of -inf: log(0) = -inf, as mx.logsumexp
+    return m + mx.log(mx.power(math.e, x - m).sum(axis=-1, keepdims=True))
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    """``x - logsumexp(x)`` over the last axis (:func:`logsumexp`)."""
+    return x - logsumexp(x)
 
 
 def shift(a: mx.array, k: int) -> mx.array:
@@ -25,7 +55,7 @@ def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, so
     ``tgt``, summed over ``valid``; ``correct`` counts the drafter's argmax hitting ``tgt``."""
     vf = valid.astype(mx.float32)
     if soft:
-        per = (mx.exp(lab) * (lab - logp)).sum(-1)
+        per = (exp(lab) * (lab - logp)).sum(-1)
     else:
         per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     correct = mx.stop_gradient(((mx.argmax(logp, axis=-1) == tgt) & valid).sum().astype(mx.float32))

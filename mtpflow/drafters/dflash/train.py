@@ -32,6 +32,7 @@ import numpy as np
 
 from ...targets.base import rope_at
 from ...train.kind import TappedTrainer
+from ...train.objective import exp, log_softmax
 from ...train.target import TargetStates
 from .config import parse
 from .model import DFlashModel
@@ -107,7 +108,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     (``"dpace"``); :meth:`DFlashTrainer.reduce` divides their sum by the count of
     all terms, as Speculators' ``loss_function`` does."""
     logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, Bs-1, V]
+    logp = log_softmax(logits)  # [B, K, Bs-1, V]
     Bs1 = logp.shape[2]
     j = mx.arange(1, Bs1 + 1)
     pos = anchors[:, :, None] + j[None, None, :]  # the predicted token's position a+k
@@ -117,10 +118,10 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     B, K = anchors.shape
     flat = src.reshape(B, K * Bs1)
     lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
-    lab = lab - mx.logsumexp(lab, axis=-1, keepdims=True)
+    lab = log_softmax(lab)
     tgt = mx.argmax(lab, axis=-1)
     if targets == "soft":
-        per = (mx.exp(lab) * (lab - logp)).sum(-1)
+        per = (exp(lab) * (lab - logp)).sum(-1)
     else:
         per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]

@@ -43,7 +43,7 @@ from ...targets.base import SLIDING
 from ...train import data as data_mod
 from ...train.features import FeatureExample
 from ...train.kind import KindTrainer, add_data_summaries
-from ...train.objective import choose_draft_vocab, shift, weighted_loss
+from ...train.objective import choose_draft_vocab, exp, log_softmax, shift, weighted_loss
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -198,7 +198,7 @@ def unrolled_logp(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
         emb_in = shift(tp["embed"], 1 + i)
         z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, offset)
         logits = model.head_logits(z).astype(mx.float32)
-        yield logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        yield log_softmax(logits)
 
 
 def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, unroll: int, targets: str):
@@ -215,7 +215,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
     B, T = tokens.shape
     qpos = tp.get("qpos")
     tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
-    tgt_logp = tp["label_logits"] - mx.logsumexp(tp["label_logits"], axis=-1, keepdims=True)
+    tgt_logp = log_softmax(tp["label_logits"])
     sub = model.draft_vocab if model.has_draft_vocab else None
     sums, correct, counts = [], [], []
     for i, logp in enumerate(unrolled_logp(model, tp, T, unroll)):
@@ -224,7 +224,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
         vf = valid.astype(mx.float32)
         tgt_tok = shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
         if targets == "soft":
-            p = mx.exp(lab_logp)
+            p = exp(lab_logp)
             per = (p * (lab_logp - logp)).sum(-1)  # KL(target || drafter) over the head's vocabulary
         else:
             safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)

@@ -54,7 +54,7 @@ from ...targets.base import TreeRope
 from ...train import data as data_mod
 from ...train import target as frozen
 from ...train.kind import KindTrainer, add_data_summaries, read_options
-from ...train.objective import shift, step_terms
+from ...train.objective import log_softmax, shift, step_terms
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -179,8 +179,6 @@ def rows_at(x: mx.array, at) -> mx.array:
     return mx.take(x.reshape(R * L, *x.shape[2:]), at if isinstance(at, mx.array) else mx.array(at), axis=0)
 
 
-def log_softmax(x: mx.array) -> mx.array:
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def mtp_loss_terms(head, target, H, labels, toks, seg, pos, lmask, targets: str = "soft"):

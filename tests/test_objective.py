@@ -1,0 +1,66 @@
+"""The training objective's exp / logsumexp / log-softmax (mtpflow.train.objective): on a device
+whose profile says ``power_exp`` (the CPU) they run through ``mx.power(e, x)``, and must give
+mx.exp's and mx.logsumexp's values and gradients to float32 rounding, -inf entries included."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtpflow.backend.profiles import PROFILES, current
+from mtpflow.train import objective as obj
+
+
+def _logits(scale: float, shape=(6, 257)) -> mx.array:
+    x = mx.random.normal(shape, key=mx.random.key(int(scale * 10))) * scale
+    x = mx.concatenate([x, mx.full((shape[0], 3), -float("inf"))], axis=-1)  # masked entries
+    return x
+
+
+def test_the_cpu_profile_takes_power_exp_and_the_gpus_do_not():
+    assert current().device == "cpu" and current().power_exp is True
+    assert PROFILES["cuda"].power_exp is False and PROFILES["metal"].power_exp is False
+    assert {"power_exp"} <= set(PROFILES["cpu"].why)
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
+def test_power_exp_values_equal_mx_to_float32_rounding(scale):
+    x = _logits(scale)
+    ref = np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
+    got = np.array(obj.log_softmax(x))
+    finite = np.isfinite(ref)
+    assert (np.isneginf(got) == np.isneginf(ref)).all()
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=2e-6, atol=2e-6 * max(1.0, scale))
+    lp = ref[finite]  # exp is taken of log-probabilities in the losses; exact: float64
+    exact = np.exp(lp.astype(np.float64))
+    got_exp = np.array(obj.exp(mx.array(lp))).astype(np.float64)
+    normal = exact > 1e-37  # below float32's normal range both flush towards 0
+    assert np.max(np.abs(got_exp - exact)[normal] / exact[normal]) < 4e-6
+    row = mx.full((1, 5), -float("inf"))
+    assert np.isneginf(np.array(obj.logsumexp(row))).all()  # as mx.logsumexp, not nan
+
+
+def test_power_exp_kl_gradient_equals_mx():
+    lab = _logits(2.0)
+    lab_logp = lab - mx.logsumexp(lab, axis=-1, keepdims=True)
+
+    def kl(x, fast: bool):
+        if fast:
+            logp, p = obj.log_softmax(x), obj.exp(obj.log_softmax(lab))
+        else:
+            logp, p = x - mx.logsumexp(x, axis=-1, keepdims=True), mx.exp(lab_logp)
+        term = mx.where(p > 0, p * (lab_logp - mx.where(p > 0, logp, 0.0)), 0.0)
+        return term.sum()
+
+    x = _logits(3.0)
+    (l0, g0), (l1, g1) = (mx.value_and_grad(lambda x: kl(x, f))(x) for f in (False, True))
+    assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item())
+    np.testing.assert_allclose(np.array(g1), np.array(g0), rtol=1e-4, atol=1e-6)
+
+
+def test_without_power_exp_the_functions_are_mx_own(monkeypatch):
+    monkeypatch.setattr(obj, "_power_exp", lambda: False)
+    x = _logits(3.0)
+    assert mx.array_equal(obj.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)).item()
+    assert mx.array_equal(obj.exp(x), mx.exp(x)).item()
