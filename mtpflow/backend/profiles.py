@@ -15,7 +15,12 @@ device it runs on, so a measured row replaces the reasoned one.
 
 from __future__ import annotations
 
+import platform
+
 from attrs import frozen
+
+#: mlx[cpu]'s exp was measured slow on x86-64 only (``power_exp``)
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 @frozen(kw_only=True)
@@ -47,11 +52,12 @@ PROFILES: dict[str, Profile] = {
         blas_preload=True,
         compile_elementwise=True,
         bucket_shapes=False,
-        power_exp=True,
+        power_exp=_X86_64,
         why={
             "power_exp": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] 0.32.4's exp costs "
                          "~8x a multiply on x86-64 and mx.power(e, x) less than half of it, to 1e-6; a "
-                         "soft-label KL over an 8192-token head, forward and backward, 1.5x faster",
+                         "soft-label KL over an 8192-token head, forward and backward, 1.5x faster; not measured "
+                         "on ARM CPUs, which keep mx.exp",
             "bucket_shapes": "measured (docs/benchmarks.md 'Chains and trees'): a CPU verify's cost grows with its tokens "
                              "(and not monotonically), so padding costs compute; MLX's CPU kernels are not "
                              "compiled per shape",
