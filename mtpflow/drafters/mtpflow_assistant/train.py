@@ -216,6 +216,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
     qpos = tp.get("qpos")
     tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
     tgt_logp = log_softmax(tp["label_logits"])
+    tgt_p = exp(tgt_logp)  # once: each step reads it shifted (lazy, so only soft targets compute it)
     sub = model.draft_vocab if model.has_draft_vocab else None
     sums, correct, counts = [], [], []
     for i, logp in enumerate(unrolled_logp(model, tp, T, unroll)):
@@ -224,7 +225,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
         vf = valid.astype(mx.float32)
         tgt_tok = shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
         if targets == "soft":
-            p = exp(lab_logp)
+            p = shift(tgt_p, 1 + i)
             per = (p * (lab_logp - logp)).sum(-1)  # KL(target || drafter) over the head's vocabulary
         else:
             safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
