@@ -283,6 +283,7 @@ def test_openblas_runs_the_kernels_the_cpu_supports(openblas_path):
 
 
 @linux_only
+@pytest.mark.skipif(_blas._multiarch() != "x86_64-linux-gnu", reason="Prescott is an x86-64 core type")
 def test_an_openblas_coretype_of_the_users_wins(openblas_path):
     out = _core_report(OPENBLAS_CORETYPE="Prescott")
     assert out["core"] == "Prescott" and out["coretype"] == "Prescott", out
