@@ -62,12 +62,12 @@ from typing import Any
 
 ENV_BLAS = "MTPFLOW_BLAS"
 ENV_CORETYPE = "OPENBLAS_CORETYPE"
+ENV_REEXEC_GUARD = "MTPFLOW_BLAS_REEXECED"
 #: CPU flags (``/proc/cpuinfo``) each core type needs, best first.
 _CORETYPE_FLAGS = (
     ("SkylakeX", frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})),
     ("Haswell", frozenset({"avx2", "fma"})),
 )
-ENV_REEXEC_GUARD = "MTPFLOW_BLAS_REEXECED"
 _DISABLED_VALUES = {"none", "off", "0", "false", "no", "disable", "disabled"}
 
 #: The symbol MLX's CPU backend calls for fp32 matmuls.
@@ -402,7 +402,7 @@ def _mlx_sgemm_binding() -> dict[str, Any]:
     return {"provider": provider, "libmlx": path, "note": note}
 
 
-def _openblas_config(symbol: str = "openblas_get_config") -> str | None:
+def _openblas_string(symbol: str = "openblas_get_config") -> str | None:
     try:
         fn = getattr(ctypes.CDLL(None), symbol)  # global scope only
     except (OSError, AttributeError):
@@ -470,8 +470,8 @@ def blas_info() -> dict[str, Any]:
         # not the reference BLAS bundled in the wheel.
         info["in_effect"] = is_openblas or is_requested
         if is_openblas:
-            info["openblas_config"] = _openblas_config()
-            info["openblas_core"] = _openblas_config("openblas_get_corename")
+            info["openblas_config"] = _openblas_string()
+            info["openblas_core"] = _openblas_string("openblas_get_corename")
     return info
 
 

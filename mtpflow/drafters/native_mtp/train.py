@@ -179,8 +179,6 @@ def rows_at(x: mx.array, at) -> mx.array:
     return mx.take(x.reshape(R * L, *x.shape[2:]), at if isinstance(at, mx.array) else mx.array(at), axis=0)
 
 
-
-
 def mtp_loss_terms(head, target, H, labels, toks, seg, pos, lmask, targets: str = "soft"):
     """Unnormalised per-depth ``(loss_sum [D], correct [D], count [D])``.
     ``labels``: the target's logits ``[R, L, V]`` at every packed slot (soft),
