@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="assistant,eagle3,dflash,mtp")
     p.add_argument("--sources", default="target,cache", help="target, cache or both (comma-separated)")
     p.add_argument("--turns", type=int, default=1, help="runs of every (kind, source); ratios: medians over them")
+    p.add_argument("--lanes", default="0", help="comma-separated --lanes values, each run in every turn "
+                                                "(0: the device's default; e.g. 1,0 compares without and with lanes)")
     args = p.parse_args(argv)
 
     from mtpflow.train.run import tap_layers, train
@@ -125,14 +127,17 @@ def main(argv=None) -> int:
         print(f"collected {s['cache']['tokens']} tokens in {s['cache']['seconds']} s, taps {union}", file=sys.stderr)
         cpu = StepCPU()
         sources = {"target": args.data, "cache": f"cache:{args.data}"}
-        runs = [(k, h) for k in kinds for h in args.sources.split(",")]
+        lanes = [int(x) for x in args.lanes.split(",")]
+        runs = [(k, h, n) for k in kinds for h in args.sources.split(",") for n in lanes]
         for turn in range(args.turns):
-            for kind, how in runs:
-                out = tmp / f"{kind}-{how}-{turn}"
-                s = train(target, KIND_OPTIONS[kind], sources[how], out, kind=kind, cache_dir=str(cache), **common)
-                rows.setdefault((kind, how), []).append((rate(out), cpu.rate(), *flop_figures(s)))
-                r = rows[(kind, how)][-1]
-                print(f"turn {turn} {kind:9s} {how:6s} {r[0]:8.1f} tokens/s {r[1]:8.1f} tokens/CPU-s "
+            for kind, how, n in runs:
+                out = tmp / f"{kind}-{how}-{n}-{turn}"
+                s = train(target, KIND_OPTIONS[kind], sources[how], out, kind=kind, cache_dir=str(cache), lanes=n,
+                          **common)
+                key = (kind, how) if len(lanes) == 1 else (kind, f"{how}/{s['train_speed']['lanes']}")
+                rows.setdefault(key, []).append((rate(out), cpu.rate(), *flop_figures(s)))
+                r = rows[key][-1]
+                print(f"turn {turn} {kind:9s} {key[1]:6s} {r[0]:8.1f} tokens/s {r[1]:8.1f} tokens/CPU-s "
                       f"{r[2]:7.1f} MFLOP/token {r[3]:5.2f} of matmul", file=sys.stderr)
     report(rows, args.turns)
     return 0
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
 
 def report(rows: dict, turns: int) -> None:
     """The table: median rates, and the median over turns of each turn's ratio to assistant (cache)."""
-    ref = rows.get(("assistant", "cache"))
+    ref = next((runs for (kind, how), runs in rows.items() if kind == "assistant" and how.startswith("cache")), None)
 
     def ratio(runs, col):
         if not ref:

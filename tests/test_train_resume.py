@@ -210,9 +210,11 @@ def test_sigterm_checkpoints_the_finished_step_and_the_run_resumes_to_the_same_l
     from mtpflow.train.optimize import TrainingInterrupted
 
     real = data.batches
+    sent = []
 
     def batches(examples, batch_size, seed, step, *a, **k):
-        if step == 4:  # the signal arrives while step 5 is being computed
+        if step == 4 and not sent:  # the signal arrives (once) while step 5 is being computed
+            sent.append(step)
             os.kill(os.getpid(), signal.SIGTERM)
         return real(examples, batch_size, seed, step, *a, **k)
 

@@ -58,6 +58,7 @@ import os
 import platform
 import struct
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 ENV_BLAS = "MTPFLOW_BLAS"
@@ -417,6 +418,32 @@ def _openblas_string(symbol: str = "openblas_get_config") -> str | None:
     except Exception:  # pragma: no cover - defensive
         return None
     return value.decode(errors="replace").strip() if value else None
+
+
+def _openblas_fn(symbol: str):
+    """An OpenBLAS entry point from the process's global scope (or the preloaded library), or ``None``."""
+    try:
+        fn = getattr(ctypes.CDLL(None), symbol)
+    except (OSError, AttributeError):
+        fn = getattr(_HANDLE, symbol, None) if _HANDLE is not None else None
+    return fn
+
+
+@contextmanager
+def blas_threads(n: int):
+    """Within this block OpenBLAS runs its products on ``n`` threads (restored
+    after); a no-op where the BLAS in the process is not OpenBLAS.  Training lanes
+    (:mod:`mtpflow.train.lanes`) run one single-threaded product per core."""
+    get, set_ = _openblas_fn("openblas_get_num_threads"), _openblas_fn("openblas_set_num_threads")
+    if get is None or set_ is None:
+        yield
+        return
+    before = int(get())
+    set_(int(n))
+    try:
+        yield
+    finally:
+        set_(before)
 
 
 def blas_info() -> dict[str, Any]:

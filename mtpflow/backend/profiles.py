@@ -40,6 +40,8 @@ class Profile:
     bucket_shapes: bool
     #: training losses take ``exp`` as ``mx.power(e, x)`` (and log-softmax from it: :mod:`mtpflow.train.objective`)
     power_exp: bool
+    #: training lanes per process (:mod:`mtpflow.train.lanes`): 0 = one per CPU core, shared by the ranks
+    train_lanes: int
     #: ``{tuning: the measurement or reason}``
     why: dict
 
@@ -53,7 +55,12 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=False,
         power_exp=_X86_64,
+        train_lanes=0,
         why={
+            "train_lanes": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] runs an "
+                           "elementwise kernel on one thread and keeps a few ops in flight per eval, so one "
+                           "eval of a step keeps ~1.4 of 2 cores busy; two lanes with single-threaded OpenBLAS "
+                           "keep both busy",
             "power_exp": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] 0.32.4's exp costs "
                          "~8x a multiply on x86-64 and mx.power(e, x) less than half of it, to 1e-6; a "
                          "soft-label KL over an 8192-token head, forward and backward, 1.5x faster; not measured "
@@ -79,7 +86,9 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=True,
         power_exp=False,
+        train_lanes=1,
         why={
+            "train_lanes": "one GPU stream: a step's kernels already fill the device",
             "power_exp": "exp is one GPU kernel like power; not measured on Metal",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
@@ -100,7 +109,9 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=True,
         power_exp=False,
+        train_lanes=1,
         why={
+            "train_lanes": "one GPU stream: a step's kernels already fill the device",
             "power_exp": "exp is one GPU kernel like power; not measured on CUDA",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "

@@ -87,6 +87,9 @@ def add_train_arguments(p) -> None:
                    help="adamw, or adafactor (factored second moments: a much smaller optimizer state)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro-batches per optimizer step (same gradient, batch/N rows of activations at a time)")
+    p.add_argument("--lanes", type=int, default=d.lanes,
+                   help="parts of each micro-batch evaluated side by side on a CPU, one per core (0: the device's "
+                        "default, one per core on a CPU and 1 on a GPU; 1: off)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute the drafter layers' activations in the backward pass instead of keeping them")
     p.add_argument("--cache-dir", default=None,
@@ -115,7 +118,7 @@ def run_train(args) -> int:
         distill_time_s=args.distill_time, cache_batch=args.cache_batch, cache_time_s=args.cache_time, init=args.init, vocab_data=args.vocab_data, init_from=args.init_from,
         kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb, cache_dir=args.cache_dir,
         schedule=args.schedule, dpace_alpha=args.dpace_alpha, target_bits=args.target_bits, optimizer=args.optimizer,
-        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
+        grad_accum=args.grad_accum, lanes=args.lanes, grad_checkpoint=args.grad_checkpoint,
         cache_taps=tuple(int(t) for t in args.cache_taps.split(",") if t.strip()),
     )
     try:

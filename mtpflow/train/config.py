@@ -60,6 +60,9 @@ class TrainConfig:
     optimizer: str = "adamw"
     #: micro-batches per optimizer step (the gradient of the whole batch, in batch/N rows at a time)
     grad_accum: int = 1
+    #: parts of each micro-batch evaluated side by side, one per CPU core (mtpflow.train.lanes);
+    #: 0 = the device's default (one per core on a CPU, 1 on a GPU), 1 = off
+    lanes: int = 0
     #: recompute the drafter layers' activations in the backward pass (mx.checkpoint)
     grad_checkpoint: bool = False
     #: quantize the frozen target to 4 or 8 bits before training (None: as loaded)
@@ -82,6 +85,8 @@ class TrainConfig:
             raise ValueError(f"init must be 'identity' or 'random' (got {self.init!r})")
         if self.tap_cache_mb < 0:
             raise ValueError(f"tap_cache_mb must be >= 0 (got {self.tap_cache_mb})")
+        if self.lanes < 0:
+            raise ValueError(f"lanes must be >= 0 (0: the device's default, 1: off); got {self.lanes}")
         from .memory import check_config
 
         check_config(self)

@@ -183,6 +183,7 @@ class _Loop:
     def start(self, rows: slice) -> None:
         """Open the log, the bar and the FLOP count; the clock starts."""
         from .flops import Throughput, matmul_rate
+        from .lanes import Lanes, lane_count
         from .memory import micro_slices
 
         cfg, ranks = self.cfg, self.ranks
@@ -193,25 +194,35 @@ class _Loop:
         self.flops = Throughput(matmul_rate() if self.bar.enabled and self.step < cfg.steps else None)
         mx.reset_peak_memory()
         self.micro = micro_slices(rows, cfg.grad_accum) if cfg.grad_accum > 1 else [rows]
+        n_lanes = lane_count(cfg.lanes, min(m.stop - m.start for m in self.micro), ranks.size)
+        self.lanes = Lanes(n_lanes) if n_lanes > 1 else None
+        if self.lanes is not None:  # every micro-batch cut into lanes, evaluated side by side
+            self.micro = micro_slices(rows, cfg.grad_accum * n_lanes)
         self.t0 = time.time()
         self.tokens_start = self.tokens_seen
         self.saved = self.step
+        self.first_step = self.step
 
     def run_step(self, make_batch, on_grads=None) -> None:
         """One optimizer step: its batches, gradients, update, log line and (when due) checkpoint."""
         from .flops import count_matmuls
 
         t_step = time.perf_counter()
-        with count_matmuls() as f_target:
-            batches = [make_batch(self.step, r) for r in self.micro]
-        n_tok = sum(int(b[1].sum()) for b in batches)
         w = mx.array(self.weights(self.acc_ema) if self.weights is not None else
                      step_weights(self.cfg.step_weights, self.n, self.cfg.decay, self.acc_ema))
-        if len(batches) > 1:  # the counts come from the masks alone: nothing else of the graph is evaluated
-            self.whole_counts = self.ranks.sum(sum(mx.stop_gradient(self.loss_fn(self.model, *a)[2]) for a, _ in batches))
-            mx.eval(self.whole_counts)
-        with count_matmuls() as f_drafter:
-            loss, per, cor, cnt, grads = self._gradients(batches, w)
+        f_target, f_drafter = count_matmuls(), count_matmuls()
+        if self.lanes is not None:
+            loss, per, cor, cnt, grads, n_tok = self._lane_step(make_batch, w, f_target, f_drafter)
+        else:
+            with f_target:
+                batches = [make_batch(self.step, r) for r in self.micro]
+            n_tok = sum(int(b[1].sum()) for b in batches)
+            if len(batches) > 1:  # the counts come from the masks alone: nothing else of the graph is evaluated
+                self.whole_counts = self.ranks.sum(sum(mx.stop_gradient(self.loss_fn(self.model, *a)[2])
+                                                       for a, _ in batches))
+                mx.eval(self.whole_counts)
+            with f_drafter:
+                loss, per, cor, cnt, grads = self._gradients(batches, w)
         if on_grads is not None:
             on_grads(self.step, grads)
         if self.ranks.size > 1:
@@ -237,6 +248,51 @@ class _Loop:
             if len(batches) > 1:
                 mx.eval(grads, loss, per, cor)  # one micro-batch's activations at a time
         return loss, per, cor, cnt, grads
+
+    def _lane_step(self, make_batch, w, f_target, f_drafter):
+        """:meth:`run_step`'s batches and gradients with lanes (:mod:`mtpflow.train.lanes`): each
+        micro-batch's parts built here, each on its lane's stream, and evaluated side by side; the
+        first step of a sitting runs them inline (one after another, the same sums)."""
+        from ..backend.blas import blas_threads
+
+        lanes, model, n = self.lanes, self.model, self.lanes.n
+        lanes.inline = self.step == self.first_step
+        groups = [self.micro[i:i + n] for i in range(0, len(self.micro), n)]
+        params = model.trainable_parameters()
+        batches, counts = [], []
+        with blas_threads(1):
+            for group in groups:  # the batches, and the loss-term counts of the whole batch
+                for j, rows in enumerate(group):
+                    with lanes.stream(j):
+                        with f_target:
+                            args, lens = make_batch(self.step, rows)
+                        c = mx.stop_gradient(self.loss_fn(model, *args)[2])
+                    lanes.submit(j, (args, c))
+                    batches.append((args, lens))
+                    counts.append(c)
+                lanes.wait()
+            self.whole_counts = self.ranks.sum(sum(counts))
+            mx.eval(self.whole_counts)
+            total = None
+            for k, group in enumerate(groups):
+                outs = []
+                for j in range(len(group)):
+                    with lanes.stream(j):
+                        with f_drafter:
+                            outs.append(self.grad_fn(model, *batches[k * n + j][0], w))
+                        model.update(params)  # (value_and_grad leaves the lane's tracers in the model)
+                    lanes.submit(j, outs[-1])
+                lanes.wait()
+                for (l_i, p_i, c_i, cnt), g_i in outs:
+                    if total is None:
+                        total = [l_i, p_i, c_i, g_i]
+                    else:
+                        total = [total[0] + l_i, total[1] + p_i, total[2] + c_i,
+                                 tree_map(lambda a, b: a + b, total[3], g_i)]
+                if len(groups) > 1:
+                    mx.eval(total)
+        loss, per, cor, grads = total
+        return loss, per, cor, cnt, grads, sum(int(lens.sum()) for _, lens in batches)
 
     def _all_reduce(self, grads, loss, per, cor, n_tok):
         """Gradients averaged over the ranks, the logged figures summed."""
@@ -289,6 +345,8 @@ class _Loop:
 
     def close(self) -> None:
         self.grad_fn = None  # (it holds self.objective: without this the run's arrays wait for the GC)
+        if getattr(self, "lanes", None) is not None:
+            self.lanes.close()
         self.bar.close()
         if self.log_f is not None:
             self.log_f.close()
@@ -304,4 +362,5 @@ class _Loop:
         if self.flops.steps and self.flops.rate is None:
             self.flops.rate = matmul_rate()  # measured after the run when no progress bar needed it before
         speed["flops"] = self.flops.summary()
+        speed["lanes"] = self.lanes.n if self.lanes is not None else 1
         return self.step, self.acc_ema, self.tokens_seen, self.last, self.elapsed_prev + time.time() - self.t0, speed

@@ -94,13 +94,15 @@ class TargetSubsetHead(TargetHead):
         return cls(context.get("target"), vocab_size, k)
 
     def rows(self) -> mx.array:
-        """The target's output-embedding rows of the draft vocabulary ``[K, Dt]`` (cached per vocabulary)."""
-        key = id(self.draft_vocab)
+        """The target's output-embedding rows of the draft vocabulary ``[K, Dt]``, cached per
+        vocabulary array and per stream: a lazy cache built on one stream is never handed to a
+        graph of another (training lanes evaluate parts side by side, :mod:`mtpflow.train.lanes`)."""
+        vocab, stream = self.draft_vocab, str(mx.default_stream(mx.default_device()))
         cached = getattr(self, "_rows", None)
-        if cached is None or cached.obj[0] != key:
-            cached = Ref((key, self._target.obj.output_rows(self.draft_vocab)))
+        if cached is None or cached.obj[0] is not vocab or cached.obj[1] != stream:
+            cached = Ref((vocab, stream, self._target.obj.output_rows(vocab)))
             self._rows = cached
-        return cached.obj[1]
+        return cached.obj[2]
 
     def _native(self, x):
         target = self._target.obj
