@@ -88,7 +88,7 @@ def _profile_section() -> dict[str, Any]:
     return {
         "device": p.device,
         "auto_dtype": "float32" if p.device == "cpu" else "the checkpoint's own",
-        **{t: getattr(p, t) for t in (*TUNINGS, "blas_preload", "power_exp")},
+        **{t: getattr(p, t) for t in (*TUNINGS, "blas_preload", "power_exp", "train_lanes")},
     }
 
 

@@ -20,8 +20,8 @@ last columns are each run's rate over the assistant kind's cached rate.
 a turn, and reports each ratio's median over the turns (each turn's ratio
 pairs runs made one after the other, so a load change between turns cancels).
 The FLOP columns are each run's last step (:mod:`mtpflow.train.flops`: three
-times the drafter's forward plus the labels' head) per token, and that run's
-share of the matmul rate probed in the same process.
+times the drafter's forward plus the labels' head) per token, and the rate of
+steps 2.. in FLOP/s as a share of the matmul rate probed in the same process.
 """
 
 from __future__ import annotations
@@ -78,11 +78,14 @@ class StepCPU:
         return (st[-1][1] - st[0][1]) / max(sum(c for c, _ in st[1:]), 1e-9)
 
 
-def flop_figures(summary: dict) -> tuple[float, float]:
-    """``(MFLOP per token of the last step, share of the matmul rate)`` of a run's summary."""
+def flop_figures(summary: dict, tokens_per_s: float) -> tuple[float, float]:
+    """``(MFLOP per token of the last step, share of the matmul rate)`` of a run: the FLOPs per
+    token times ``tokens_per_s`` (steps 2.., as the rate columns) over the probe in the summary."""
     fl = summary["train_speed"]["flops"]
     tokens = summary["tokens_seen"] / max(summary["steps"], 1)
-    return fl["last_step_gflop"]["total"] * 1e3 / max(tokens, 1), fl["share_of_matmul"] or float("nan")
+    mflop = fl["last_step_gflop"]["total"] * 1e3 / max(tokens, 1)
+    probe = fl["matmul_rate_gflops"]
+    return mflop, (mflop * 1e6 * tokens_per_s / (probe * 1e9) if probe else float("nan"))
 
 
 def main(argv=None) -> int:
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
                 s = train(target, KIND_OPTIONS[kind], sources[how], out, kind=kind, cache_dir=str(cache), lanes=n,
                           **common)
                 key = (kind, how) if len(lanes) == 1 else (kind, f"{how}/{s['train_speed']['lanes']}")
-                rows.setdefault(key, []).append((rate(out), cpu.rate(), *flop_figures(s)))
+                wall = rate(out)
+                rows.setdefault(key, []).append((wall, cpu.rate(), *flop_figures(s, wall)))
                 r = rows[key][-1]
                 print(f"turn {turn} {kind:9s} {key[1]:6s} {r[0]:8.1f} tokens/s {r[1]:8.1f} tokens/CPU-s "
                       f"{r[2]:7.1f} MFLOP/token {r[3]:5.2f} of matmul", file=sys.stderr)
