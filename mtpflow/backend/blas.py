@@ -403,13 +403,16 @@ def _mlx_sgemm_binding() -> dict[str, Any]:
     return {"provider": provider, "libmlx": path, "note": note}
 
 
-def _openblas_string(symbol: str = "openblas_get_config") -> str | None:
+def _openblas_fn(symbol: str):
+    """An OpenBLAS entry point from the process's global scope (or the preloaded library), or ``None``."""
     try:
-        fn = getattr(ctypes.CDLL(None), symbol)  # global scope only
+        return getattr(ctypes.CDLL(None), symbol)
     except (OSError, AttributeError):
-        fn = None
-    if fn is None and _HANDLE is not None:
-        fn = getattr(_HANDLE, symbol, None)
+        return getattr(_HANDLE, symbol, None) if _HANDLE is not None else None
+
+
+def _openblas_string(symbol: str = "openblas_get_config") -> str | None:
+    fn = _openblas_fn(symbol)
     if fn is None:
         return None
     fn.restype = ctypes.c_char_p
@@ -418,15 +421,6 @@ def _openblas_string(symbol: str = "openblas_get_config") -> str | None:
     except Exception:  # pragma: no cover - defensive
         return None
     return value.decode(errors="replace").strip() if value else None
-
-
-def _openblas_fn(symbol: str):
-    """An OpenBLAS entry point from the process's global scope (or the preloaded library), or ``None``."""
-    try:
-        fn = getattr(ctypes.CDLL(None), symbol)
-    except (OSError, AttributeError):
-        fn = getattr(_HANDLE, symbol, None) if _HANDLE is not None else None
-    return fn
 
 
 @contextmanager

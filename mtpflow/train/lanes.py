@@ -31,9 +31,7 @@ def lane_count(requested: int, rows: int, ranks: int = 1) -> int:
     """How many lanes a step of ``rows`` rows (per micro-batch) runs: ``requested``,
     or with 0 the device profile's ``train_lanes`` (on a CPU: its cores shared by
     the ``ranks`` on this machine), never more than the rows."""
-    if requested < 0:
-        raise ValueError(f"lanes must be >= 0 (0 = the device's default); got {requested}")
-    if requested == 0:
+    if requested == 0:  # (TrainConfig refuses a negative value)
         from ..backend.profiles import current
 
         requested = current().train_lanes or max(1, (os.cpu_count() or 1) // max(1, ranks))

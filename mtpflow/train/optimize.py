@@ -143,6 +143,15 @@ def optimize(model, loss_fn, make_batch, cfg: TrainConfig, out: Path, config_id,
     return loop.result()
 
 
+def _accumulate(total, out):
+    """``(total, counts)``: ``total`` (``[loss, per_step, correct, grads]`` or ``None``) plus one
+    micro-batch's or part's ``grad_fn`` output ``((loss, per_step, correct, counts), grads)``."""
+    (loss, per, cor, cnt), grads = out
+    if total is None:
+        return [loss, per, cor, grads], cnt
+    return [total[0] + loss, total[1] + per, total[2] + cor, tree_map(lambda a, b: a + b, total[3], grads)], cnt
+
+
 class _Loop:
     """One sitting of :func:`optimize`: the resumed counters, the objective and
     its gradient, the log, the progress bar and the checkpoints."""
@@ -218,9 +227,7 @@ class _Loop:
                 batches = [make_batch(self.step, r) for r in self.micro]
             n_tok = sum(int(b[1].sum()) for b in batches)
             if len(batches) > 1:  # the counts come from the masks alone: nothing else of the graph is evaluated
-                self.whole_counts = self.ranks.sum(sum(mx.stop_gradient(self.loss_fn(self.model, *a)[2])
-                                                       for a, _ in batches))
-                mx.eval(self.whole_counts)
+                self._count_whole([mx.stop_gradient(self.loss_fn(self.model, *a)[2]) for a, _ in batches])
             with f_drafter:
                 loss, per, cor, cnt, grads = self._gradients(batches, w)
         if on_grads is not None:
@@ -236,17 +243,19 @@ class _Loop:
         if self.ranks.main:
             self._report()
 
+    def _count_whole(self, counts) -> None:
+        """The loss-term counts of the whole global batch (every micro-batch or part normalises by them)."""
+        self.whole_counts = self.ranks.sum(sum(counts))
+        mx.eval(self.whole_counts)
+
     def _gradients(self, batches, w):
         """Loss figures and gradients summed over the micro-batches."""
-        for i, (args, _) in enumerate(batches):
-            (l_i, p_i, c_i, cnt), g_i = self.grad_fn(self.model, *args, w)
-            if i == 0:
-                loss, per, cor, grads = l_i, p_i, c_i, g_i
-            else:
-                loss, per, cor = loss + l_i, per + p_i, cor + c_i
-                grads = tree_map(lambda a, b: a + b, grads, g_i)
+        total = None
+        for args, _ in batches:
+            total, cnt = _accumulate(total, self.grad_fn(self.model, *args, w))
             if len(batches) > 1:
-                mx.eval(grads, loss, per, cor)  # one micro-batch's activations at a time
+                mx.eval(total)  # one micro-batch's activations at a time
+        loss, per, cor, grads = total
         return loss, per, cor, cnt, grads
 
     def _lane_step(self, make_batch, w, f_target, f_drafter):
@@ -271,8 +280,7 @@ class _Loop:
                     batches.append((args, lens))
                     counts.append(c)
                 lanes.wait()
-            self.whole_counts = self.ranks.sum(sum(counts))
-            mx.eval(self.whole_counts)
+            self._count_whole(counts)
             total = None
             for k, group in enumerate(groups):
                 outs = []
@@ -283,12 +291,8 @@ class _Loop:
                         model.update(params)  # (value_and_grad leaves the lane's tracers in the model)
                     lanes.submit(j, outs[-1])
                 lanes.wait()
-                for (l_i, p_i, c_i, cnt), g_i in outs:
-                    if total is None:
-                        total = [l_i, p_i, c_i, g_i]
-                    else:
-                        total = [total[0] + l_i, total[1] + p_i, total[2] + c_i,
-                                 tree_map(lambda a, b: a + b, total[3], g_i)]
+                for out in outs:
+                    total, cnt = _accumulate(total, out)
                 if len(groups) > 1:
                     mx.eval(total)
         loss, per, cor, grads = total
