@@ -8,11 +8,15 @@ that submits a graph pays a few microseconds per node (docs/benchmarks.md,
 * RMSNorm (``nn.RMSNorm``, Gemma's ``1 + weight`` norms, Gemma 4's unscaled
   one) and RoPE run their fallbacks through ``mx.compile``, which fuses
   each one's elementwise runs into single nodes.  The fused code performs the
-  same float32 operations in the same order, so the values are the same bit
+  same operations in the same order, so the values are the same bit
   for bit (``tests/test_fusion.py`` compares them).
+* A plain RoPE (``nn.RoPE``, Llama 3's, the proportional one) computes its
+  cos / sin table once per forward: the layers share it and only rotate
+  (5 nodes a call instead of ~14).
 * ``nn.Linear`` and a tied ``nn.Embedding`` head keep their weight's
   transpose (a view of the same buffer) between calls instead of adding a
-  ``Transpose`` node to every product.
+  ``Transpose`` node to every product, and multiply a batch-1 input without
+  ``Flatten`` / ``Unflatten`` nodes.
 
 :func:`fuse` swaps, in place, the class of every module it knows under a
 module for a subclass with the leaner call (parameters, ``isinstance`` and
@@ -27,11 +31,13 @@ have kernels for both ops, and their ``async_eval`` runs ahead of the host.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 #: a RoPE input of up to this many positions (its axis -2) and elements runs
 #: fused (decode steps, verifies, trees); longer ones (prefill chunks, whose
@@ -104,9 +110,84 @@ class _FusedRMSNormNoScale:
         return _rms_norm_no_scale(x, _const(self.eps), _const(1.0 / x.shape[-1]))
 
 
+# A RoPE call expands into two parts on a CPU stream: the cos / sin table of its positions
+# (Arange, Cos, Sin and their casts, ~10 nodes) and the rotation of ``x`` by it.  The layers
+# of one forward share their RoPE's constants and, in mtpflow's caches, one offset array
+# (``Target.set_offsets``), so the table is computed once per forward and kept here, one
+# entry per RoPE spec and thread (``_rope_tables``); each layer then only rotates.
+_rope_tables = threading.local()
+
+
+def _rope_spec(module) -> tuple | None:
+    """What a RoPE module's table depends on besides its positions, or None
+    where its call is not a plain ``mx.fast.rope`` of ``x`` (Yarn and SuScaled
+    scale ``x`` first: those keep the compiled whole call)."""
+    spec = module.__dict__.get("_mtpflow_spec", False)
+    if spec is False:
+        freqs = getattr(module, "_freqs", None)
+        if _originals.get(type(module), type(module)) in _plain_ropes():
+            if isinstance(module, nn.RoPE):
+                spec = (module.dims, module.traditional, module.base, module.scale, None)
+            elif isinstance(freqs, mx.array):
+                spec = (module.dims, module.traditional, None, 1.0, bytes(np.array(freqs.astype(mx.float32))))
+            else:
+                spec = None
+        else:
+            spec = None
+        object.__setattr__(module, "_mtpflow_spec", spec)
+    return spec
+
+
+def _rotate(traditional: bool, dims: int):
+    """MLX's RoPE fallback after its table: ``x`` rotated by ``cos`` / ``sin``
+    (``[.., T, dims // 2]``), compiled once per layout and input shape."""
+    key = (traditional, dims)
+    fn = _rotations.get(key)
+    if fn is None:
+        half = dims // 2
+
+        def rotate(x, cos, sin):
+            if traditional:
+                x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+            else:
+                x1, x2 = x[..., :half], x[..., half:dims]
+            o1 = x1 * cos - x2 * sin
+            o2 = x1 * sin + x2 * cos
+            if traditional:
+                out = mx.concatenate([o1[..., None], o2[..., None]], axis=-1).reshape(*x.shape[:-1], dims)
+                parts = [out]
+            else:
+                parts = [o1, o2]
+            if dims < x.shape[-1]:
+                parts.append(x[..., dims:])
+            return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+        fn = _rotations[key] = mx.compile(rotate)
+    return fn
+
+
+_rotations: dict = {}
+_probes: dict = {}
+
+
+def _probe(rows: int, T: int, dims: int, traditional: bool, dtype) -> mx.array:
+    """``[rows, 1, T, dims]`` whose rotation is the table itself: pairs (1, 0)
+    give ``(cos, sin)`` exactly (1 * c - 0 * s = c, 1 * s + 0 * c = s)."""
+    key = (rows, T, dims, traditional, dtype)
+    a = _probes.get(key)
+    if a is None:
+        half = dims // 2
+        one = mx.concatenate([mx.ones((half, 1)), mx.zeros((half, 1))], axis=-1).reshape(dims) if traditional \
+            else mx.concatenate([mx.ones((half,)), mx.zeros((half,))])
+        a = _probes[key] = mx.broadcast_to(one.astype(dtype), (rows, 1, T, dims))
+    return a
+
+
 class _FusedRoPE:
     """Mixed into a RoPE module whose call depends only on ``(x, offset)`` and
-    the module's own constants: that call, compiled once per input shape."""
+    the module's own constants: that call, compiled once per input shape; for
+    a plain ``mx.fast.rope`` module, the rotation by a table the layers of a
+    forward share."""
 
     def __call__(self, x, offset=0, *args, **kwargs):
         if (args or kwargs or not isinstance(offset, mx.array) or x.ndim < 2
@@ -117,21 +198,65 @@ class _FusedRoPE:
             base = type(self).__mro__[2]  # the original class (after the mixin)
             fn = mx.compile(partial(base.__call__, self))
             object.__setattr__(self, "_mtpflow_fused", fn)
-        return fn(x, offset)
+        spec = _rope_spec(self)
+        if spec is None or x.ndim != 4 or offset.ndim > 1 or offset.size not in (1, x.shape[0]):
+            return fn(x, offset)
+        dims, traditional = spec[0], spec[1]
+        T, stream = x.shape[2], mx.default_stream(mx.default_device())
+        tables = _rope_tables.__dict__.setdefault("by_spec", {})
+        t = tables.get(spec)
+        if t is None or t[0] is not offset or t[1] != T or t[2] != x.dtype or t[3] != stream:
+            table = fn(_probe(offset.size, T, dims, traditional, x.dtype), offset)
+            if traditional:
+                cos, sin = table[..., 0::2], table[..., 1::2]
+            else:
+                cos, sin = table[..., : dims // 2], table[..., dims // 2:]
+            t = tables[spec] = (offset, T, x.dtype, stream, cos, sin)
+        return _rotate(traditional, dims)(x, t[4], t[5])
+
+
+_plain = None
+
+
+def _plain_ropes() -> tuple:
+    """The RoPE classes whose call is ``mx.fast.rope(x, dims, traditional, base, scale, offset, freqs)``
+    on the module's constants alone."""
+    global _plain
+    if _plain is None:
+        plain = [nn.RoPE]
+        try:
+            from mlx_lm.models import rope_utils
+
+            plain += [getattr(rope_utils, n) for n in ("Llama3RoPE", "ProportionalRoPE") if hasattr(rope_utils, n)]
+        except ImportError:  # pragma: no cover
+            pass
+        _plain = tuple(plain)
+    return _plain
 
 
 class _KeptTranspose:
     """The weight's transpose kept between calls (a view of the same buffer,
     computed once), so a product adds no ``Transpose`` node.  A new weight
     (loaded, trained, or a tracer inside a transform) gets its own transpose;
-    a weight changed in place keeps the old one (unfuse first)."""
+    a weight changed in place keeps the old one (unfuse first).
 
-    def _wt(self):
+    A 3-D input of one row (``[1, T, K]``, batch-1 decoding) is multiplied by
+    the transpose with a leading axis of 1 (also a view): MLX multiplies a
+    3-D input by a 2-D weight as ``Flatten``, ``Matmul``, ``Unflatten``, and
+    by this one as a single ``Matmul`` (the same BLAS call and bits).  Wider
+    batches keep the 2-D weight, whose one product covers every row."""
+
+    def _wt(self, x=None):
         w = self["weight"]
         c = self.__dict__.get("_mtpflow_wt")
         if c is None or c[0] is not w:
-            c = (w, w.T)
+            c = (w, w.T, None)
             object.__setattr__(self, "_mtpflow_wt", c)
+        if x is not None and x.ndim == 3 and x.shape[0] == 1:
+            if c[2] is None:
+                c = (c[0], c[1], c[1][None])
+                object.__setattr__(self, "_mtpflow_wt", c)
+            return c[2]
         return c[1]
 
 
@@ -141,14 +266,14 @@ class _LeanLinear(_KeptTranspose):
     def __call__(self, x):
         if "bias" in self:
             return mx.addmm(self["bias"], x, self._wt())
-        return x @ self._wt()
+        return x @ self._wt(x)
 
 
 class _LeanEmbedding(_KeptTranspose):
     """Mixed into ``nn.Embedding``: a tied head's ``as_linear`` on the kept transpose."""
 
     def as_linear(self, x):
-        return x @ self._wt()
+        return x @ self._wt(x)
 
 
 def _known() -> dict:
@@ -217,6 +342,7 @@ def unfuse(module, keep_caches: bool = False) -> int:
             if not keep_caches:
                 m.__dict__.pop("_mtpflow_fused", None)
                 m.__dict__.pop("_mtpflow_wt", None)
+                m.__dict__.pop("_mtpflow_spec", None)
             n += 1
     return n
 
