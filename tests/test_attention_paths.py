@@ -4,13 +4,22 @@ kind of mask (none / ``"causal"`` / an array).  On a GPU these choose the kernel
 (CUDA: a one-query step without an array mask runs the fused vector kernel, an
 array mask the unfused path), so in bf16 a path that differs only in its mask
 already moves near-tie argmaxes; the CPU runs one kernel for all of them, so
-the calls themselves are compared here."""
+the calls themselves are compared here, with the caches handing masks as they do
+on a GPU (``SlotKVCache.causal_array = False``).  On a CPU they hand ``"causal"``
+as the array it stands for, one per forward; the last test checks that this
+changes no value."""
 
 import mlx.core as mx
 import pytest
 from conftest import make_session, prompt
 
 from mtpflow.engine import generate_stream, make_request, target_only_greedy
+from mtpflow.targets.cache import SlotKVCache
+
+
+@pytest.fixture(autouse=True)
+def gpu_masks(monkeypatch):
+    monkeypatch.setattr(SlotKVCache, "causal_array", False)
 
 
 def _kind(mask) -> str:
@@ -18,7 +27,7 @@ def _kind(mask) -> str:
 
 
 @pytest.fixture
-def calls(monkeypatch):
+def calls(monkeypatch, gpu_masks):
     """Every SDPA call as ``(mask kind, queries, keys)``, grouped per forward of the target."""
     from mlx_lm.models import gemma4_text
 
@@ -122,3 +131,38 @@ def test_prefill_chunks_end_with_the_last_token_alone(session):
     assert t.prefill_chunks(5, 512) == [(0, 4), (4, 5)]
     assert t.prefill_chunks(9, 4) == [(0, 4), (4, 8), (8, 9)]
     assert t.prefill_chunks(10, 4) == [(0, 4), (4, 8), (8, 9), (9, 10)]
+
+
+def test_cpu_hands_causal_as_one_shared_array(session, monkeypatch):
+    """On a CPU (``causal_array`` left to the device) a verify's layers get one boolean
+    array -- the same object in every layer of a forward -- where a GPU gets ``"causal"``,
+    and the tokens and every logit are the same bits."""
+    s, p = session, prompt("e", "short")
+    arrays, logits = [], {}
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def rec(q, k, v, *a, mask=None, **kw):
+        if isinstance(mask, mx.array) and q.shape[2] > 1:
+            arrays[-1].append(mask)
+        return sdpa(q, k, v, *a, mask=mask, **kw)
+
+    orig = s.target.logits
+    for setting in (False, None):
+        monkeypatch.setattr(SlotKVCache, "causal_array", setting)
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", rec)
+        arrays.append([])
+        got = logits[setting] = []
+        s.target.logits = lambda h, got=got: got.append(orig(h)) or got[-1]
+        try:
+            tokens = _engine(s, [p], 6, block=3)
+        finally:
+            del s.target.logits
+        logits[setting].append(tokens)
+    assert arrays[0] == [] and arrays[1]
+    verifies = [m for m in arrays[1] if m.ndim == 2]  # [N, S]: the causal ones (cache arrays are 4-D)
+    assert verifies and all(m.dtype == mx.bool_ for m in verifies)
+    assert len({id(m) for m in verifies}) * 2 <= len(verifies)  # each one shared by the layers of a forward
+    want, got = logits[False], logits[None]
+    assert want[-1] == got[-1] and len(want) == len(got)
+    for a, b in zip(want[:-1], got[:-1]):
+        assert mx.array_equal(a, b).item()

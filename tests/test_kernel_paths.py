@@ -71,6 +71,7 @@ def calls(monkeypatch):
 
     got, where = [], {}
     monkeypatch.setattr(slot_cache, "_on_cuda", lambda: True, raising=False)
+    monkeypatch.setattr(slot_cache.SlotKVCache, "causal_array", False)  # a GPU's masks
 
     def slot_update(self, keys, values, _f=slot_cache.SlotKVCache.update_and_fetch):
         k, v = _f(self, keys, values)

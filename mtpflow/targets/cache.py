@@ -41,6 +41,12 @@ class SlotKVCache:
     #: for a window that starts later.  Its own buffer of ``window`` slots is what mlx-lm's
     #: rotating cache hands over, so the kernel is the one mlx-lm's step runs
     window_buffer: bool | None = None
+    #: where a layer gets the ``"causal"`` mask, hand it as the boolean array it stands for
+    #: (``None``: on a CPU device).  MLX has no attention kernel on a CPU: its fallback expands
+    #: ``"causal"`` into that array in every layer (6 graph nodes a layer), while one array
+    #: built here is shared by the layers of the forward.  The same values bit for bit; on a
+    #: GPU the string picks the causal kernel, so it stays
+    causal_array: bool | None = None
 
     def __init__(self, window: int | None = None, retain: int | None = None):
         self.window = window
@@ -120,8 +126,8 @@ class SlotKVCache:
             if not return_array and (self.window is None or (self.causal_in_window and self.idx + N <= self.window)):
                 # every query sees every slot up to its own: the window (if any) drops none of them.
                 # The same mask mlx-lm passes, so a GPU runs the same attention kernel (an array
-                # mask takes another one there)
-                return "causal"
+                # mask takes another one there); on a CPU, the array it stands for (causal_array)
+                return _causal(self.idx, N) if _causal_as_array(self.causal_array) else "causal"
         if N == 1 and self.idx:
             # one query per row (a null round): the cache never holds a slot
             # past it, so it sees the valid old slots inside its window and itself
@@ -276,6 +282,24 @@ def _on_cuda() -> bool:
         cuda = getattr(mx, "cuda", None)
         _gpu = mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
     return _gpu
+
+
+def _causal_as_array(setting: bool | None) -> bool:
+    global _cpu
+    if setting is not None:
+        return setting
+    if _cpu is None:
+        _cpu = mx.default_device().type == mx.DeviceType.cpu
+    return _cpu
+
+
+_cpu: bool | None = None
+
+
+def _causal(idx: int, N: int) -> mx.array:
+    """The ``[N, idx + N]`` boolean mask MLX's attention fallback builds for ``"causal"``:
+    query ``i`` (at slot ``idx + i``) sees slots ``0 .. idx + i``."""
+    return mx.arange(idx, idx + N)[:, None] >= mx.arange(idx + N)[None]
 
 
 def _advance(offset: mx.array, L: int):
