@@ -267,3 +267,50 @@ def test_check_reads_only_configs_and_the_header(tmp_path):
     tcfg = json.loads((TARGET / "config.json").read_text())
     cfg = check_compatible(tcfg, json.loads((d / "config.json").read_text()), d)
     assert cfg.aux_layer_ids == (2, 4, 5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_ttt_attention_equals_the_masked_attention(window):
+    """A training-time-test step's attention (``Attention.attend_ttt``: the step-0 keys under the
+    causal mask plus one own key per later step) equals Speculators' form, attention over every
+    step's keys with the ``[causal, diag x j]`` mask -- values and gradients."""
+    from types import SimpleNamespace
+
+    from mtpflow.drafters.eagle3.model import Attention
+
+    cfg = SimpleNamespace(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16, qk_norm=False,
+                          rms_norm_eps=1e-6, rope={"rope_theta": 10000.0}, max_position_embeddings=512)
+    attn = Attention(cfg)
+    B, T = 2, 12
+    t = mx.arange(T)
+    causal = t[None, :] <= t[:, None]
+    if window is not None:
+        causal = causal & (t[None, :] > t[:, None] - window)
+    diag = t[None, :] == t[:, None]
+    rnd = lambda i, h: mx.random.normal((B, h, T, 16), key=mx.random.key(i))  # noqa: E731
+    for j in range(4):
+        q = rnd(100 + j, 6)
+        keys = [rnd(i, 2) for i in range(j + 1)]
+        values = [rnd(50 + i, 2) for i in range(j + 1)]
+        mask = mx.concatenate([causal] + [diag] * j, axis=1)[None, None]
+
+        def dense(q, keys, values):
+            return attn.attend(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), mask)
+
+        def sparse(q, keys, values):
+            return attn.attend_ttt(q, keys, values, causal)
+
+        want, got = dense(q, keys, values), sparse(q, keys, values)
+        assert got.shape == want.shape == (B, T, 48)
+        assert mx.abs(got - want).max().item() < 1e-5, j
+        w = mx.random.normal(want.shape, key=mx.random.key(7))
+        gw = mx.grad(lambda *a: (dense(*a) * w).sum(), argnums=(0, 1, 2))(q, keys, values)
+        gg = mx.grad(lambda *a: (sparse(*a) * w).sum(), argnums=(0, 1, 2))(q, keys, values)
+        for a, b in zip(tree_flat(gw), tree_flat(gg)):
+            assert mx.abs(a - b).max().item() < 1e-5, j
+
+
+def tree_flat(x):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(x)]

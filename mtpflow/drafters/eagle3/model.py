@@ -60,6 +60,26 @@ class Attention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def attend_ttt(self, q, keys, values, visible):
+        """Attention of a training-time-test step ``j = len(keys) - 1``: the queries ``[B, nh, T, hd]``
+        see the step-0 keys ``keys[0]`` where ``visible [T, T]`` allows and, of every later step
+        ``i``, only their own row's key ``keys[i][:, :, t]``.  The same attention as
+        :meth:`attend` with Speculators' ``[T, T (j + 1)]`` mask (``visible`` then ``j`` diagonal
+        blocks), without its ``T j`` hidden columns: one ``[T, T]`` product plus a dot product per
+        later step (the same values to float rounding).  The products go through ``mx.matmul``."""
+        B, nh, T, hd = q.shape
+        g = nh // self.n_kv
+        qs = (q * self.scale).reshape(B, self.n_kv, g, T, hd)
+        k0, v0 = keys[0][:, :, None], values[0][:, :, None]  # [B, kvh, 1, T, hd]
+        scores = mx.matmul(qs, k0.swapaxes(-1, -2))  # [B, kvh, g, T, T]
+        scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        own = [(qs * k[:, :, None]).sum(-1, keepdims=True) for k in keys[1:]]  # [B, kvh, g, T, 1] each
+        p = mx.softmax(mx.concatenate([scores, *own], axis=-1) if own else scores, axis=-1, precise=True)
+        o = mx.matmul(p[..., :T], v0)
+        for i, v in enumerate(values[1:]):
+            o = o + p[..., T + i : T + i + 1] * v[:, :, None]
+        return self.o_proj(o.reshape(B, nh, T, hd).transpose(0, 2, 1, 3).reshape(B, T, -1))
+
 
 class Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
@@ -82,6 +102,11 @@ class Layer(nn.Module):
 
     def finish(self, q, keys, values, mask, residual):
         h1 = residual + self.self_attn.attend(q, keys, values, mask)
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+    def finish_ttt(self, q, keys, values, visible, residual):
+        """:meth:`finish` for a training-time-test step (:meth:`Attention.attend_ttt`)."""
+        h1 = residual + self.self_attn.attend_ttt(q, keys, values, visible)
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
 

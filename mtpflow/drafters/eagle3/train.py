@@ -49,7 +49,6 @@ def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: i
     causal = t[None, :] <= t[:, None]
     if window is not None:
         causal = causal & (t[None, :] > t[:, None] - window)
-    diag = t[None, :] == t[:, None]
     h = model.first_hidden(g)
     keys, values = [], []
     for j in range(steps):
@@ -57,8 +56,9 @@ def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: i
         q, k, v, res = layer.project(embed(tok), h, row_positions + j)
         keys.append(k)
         values.append(v)
-        mask = mx.concatenate([causal] + [diag] * j, axis=1)[None, None]
-        out = layer.finish(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), mask, res)
+        # Speculators attends over every step's keys with the mask [causal, diag x j]; the diagonal
+        # blocks hide all but one key a row, so only those are computed (Layer.finish_ttt)
+        out = layer.finish_ttt(q, keys, values, causal, res)
         logits, h = model.head(out)
         yield logits
 
