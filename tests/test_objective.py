@@ -72,3 +72,29 @@ def test_without_power_exp_the_functions_are_mx_own(monkeypatch):
     x = _logits(3.0)
     assert mx.array_equal(obj.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)).item()
     assert mx.array_equal(obj.exp(x), mx.exp(x)).item()
+
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_logit_terms_equal_step_terms_of_the_log_softmax(soft):
+    """``logit_terms`` (KL / cross-entropy from the logits, with ``soft_labels`` computed once)
+    gives ``step_terms``' loss, accuracy and count, and its gradient, to float32 rounding."""
+    B, T, V = 3, 7, 301
+    x = mx.random.normal((B, T, V), key=mx.random.key(31)) * 4
+    lab = obj.log_softmax(mx.random.normal((B, T, V), key=mx.random.key(32)) * 3)
+    tgt = mx.argmax(lab, axis=-1)
+    tgt = mx.where(mx.arange(T)[None] % 3 == 0, mx.argmax(x, axis=-1), tgt)  # some hits for the accuracy
+    valid = mx.random.uniform(shape=(B, T), key=mx.random.key(33)) > 0.3
+    labels = obj.soft_labels(lab) if soft else None
+
+    def old(x):
+        return obj.step_terms(obj.log_softmax(x), lab, tgt, valid, soft)
+
+    def new(x):
+        return obj.logit_terms(x, tgt, valid, labels)
+
+    (s0, c0, n0), (s1, c1, n1) = old(x), new(x)
+    assert abs(s0.item() - s1.item()) <= 1e-5 * abs(s0.item())
+    assert c0.item() == c1.item() > 0 and n0.item() == n1.item() == valid.sum().item()
+    g0, g1 = mx.grad(lambda x: old(x)[0])(x), mx.grad(lambda x: new(x)[0])(x)
+    assert mx.abs(g0 - g1).max().item() < 1e-5
+    assert mx.abs(g0).max().item() > 1e-2  # the gradient is not trivially zero

@@ -62,6 +62,37 @@ def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, so
     return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
 
 
+def soft_labels(lab: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``(p, sum p log p, sum p)`` over the last axis of the target's log-distribution ``lab``:
+    what :func:`logit_terms` reads of a soft label.  Computed once per batch, each step or
+    depth then reads them shifted or gathered (one ``exp`` of the labels, not one per step)."""
+    p = exp(lab)
+    return p, (p * lab).sum(-1), p.sum(-1)
+
+
+def logit_terms(x: mx.array, tgt: mx.array, valid: mx.array, soft: tuple | None = None):
+    """:func:`step_terms` from the drafter's float32 logits ``x`` rather than its log-distribution:
+    ``KL(p || softmax x) = sum p log p - sum p x + logsumexp(x) sum p`` with ``soft`` =
+    :func:`soft_labels` of the target's distribution, or the cross-entropy of the token ``tgt``,
+    ``logsumexp(x) - x[tgt]``.  The same terms to float rounding, without a vocabulary-wide
+    ``log_softmax`` in the forward and the backward (about 40 % less elementwise work over a
+    step's logits).  ``correct`` counts ``argmax(x)`` (the log-distribution's) hitting ``tgt``."""
+    vf = valid.astype(mx.float32)
+    per = logit_loss(x, tgt, soft)
+    correct = mx.stop_gradient(((mx.argmax(x, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+    return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
+
+
+def logit_loss(x: mx.array, tgt: mx.array | None, soft: tuple | None = None) -> mx.array:
+    """Per row of the logits ``x``: ``KL(p || softmax x)`` with ``soft`` = :func:`soft_labels`,
+    else the cross-entropy of the token ``tgt`` (:func:`logit_terms`)."""
+    lse = logsumexp(x)[..., 0]
+    if soft is not None:
+        p, plogp, psum = soft
+        return plogp - (p * x).sum(-1) + lse * psum
+    return lse - mx.take_along_axis(x, tgt[..., None], axis=-1)[..., 0]
+
+
 def step_weights(kind: str, n: int, decay: float = 0.8, acc: list[float] | None = None) -> np.ndarray:
     """Normalised per-step loss weights: ``"geometric"`` ``w_i = decay**i``, or
     ``"position"`` (D-PACE-like): with the running greedy acceptance ``a_j`` of

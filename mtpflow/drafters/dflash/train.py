@@ -32,7 +32,7 @@ import numpy as np
 
 from ...targets.base import rope_at
 from ...train.kind import TappedTrainer
-from ...train.objective import exp, log_softmax
+from ...train.objective import log_softmax, logit_loss, soft_labels
 from ...train.target import TargetStates
 from .config import parse
 from .model import DFlashModel
@@ -107,9 +107,8 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     (``exp(-(k-1)/gamma)``, ``weighting="geometric"``) or :func:`dpace_weights`
     (``"dpace"``); :meth:`DFlashTrainer.reduce` divides their sum by the count of
     all terms, as Speculators' ``loss_function`` does."""
-    logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)
-    logp = log_softmax(logits)  # [B, K, Bs-1, V]
-    Bs1 = logp.shape[2]
+    logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)  # [B, K, Bs-1, V]
+    Bs1 = logits.shape[2]
     j = mx.arange(1, Bs1 + 1)
     pos = anchors[:, :, None] + j[None, None, :]  # the predicted token's position a+k
     # label of x_{a+k}: the target's distribution at position a+k-1
@@ -120,10 +119,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
     lab = log_softmax(lab)
     tgt = mx.argmax(lab, axis=-1)
-    if targets == "soft":
-        per = (exp(lab) * (lab - logp)).sum(-1)
-    else:
-        per = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    per = logit_loss(logits, tgt, soft_labels(lab) if targets == "soft" else None)  # from the logits (logit_terms)
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
     if weighting == "dpace":
         w = dpace_weights(per, vf, alpha)
@@ -131,7 +127,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
         w = (decay ** mx.arange(Bs1, dtype=mx.float32))[None, None]
     n = mx.stop_gradient(vf.sum(axis=(0, 1)))
     sums = (per * vf * w).sum(axis=(0, 1))
-    correct = mx.stop_gradient(((mx.argmax(logp, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
+    correct = mx.stop_gradient(((mx.argmax(logits, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
     return sums, correct, n
 
 

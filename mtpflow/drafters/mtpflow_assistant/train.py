@@ -43,7 +43,7 @@ from ...targets.base import SLIDING
 from ...train import data as data_mod
 from ...train.features import FeatureExample
 from ...train.kind import KindTrainer, add_data_summaries
-from ...train.objective import choose_draft_vocab, exp, log_softmax, shift, weighted_loss
+from ...train.objective import choose_draft_vocab, log_softmax, logit_loss, shift, soft_labels, weighted_loss
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -188,6 +188,12 @@ def unrolled_logp(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
     ``x_{t+2+i}`` at every query position ``t``, with teacher-forced input
     tokens and its own ``h'`` fed back, queries at the constant position
     ``t + 1`` -- exactly what inference computes along an accepted prefix."""
+    for logits in unrolled_logits(model, tp, T, unroll):
+        yield log_softmax(logits)
+
+
+def unrolled_logits(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
+    """:func:`unrolled_logp`'s float32 logits, before the log-softmax."""
     types = set(model.layer_types)
     kv = {t: tp["kv"][t] for t in types}
     qpos = tp.get("qpos")
@@ -197,8 +203,7 @@ def unrolled_logp(model: GenericAssistantModel, tp: dict, T: int, unroll: int):
     for i in range(unroll):
         emb_in = shift(tp["embed"], 1 + i)
         z, h = model(mx.concatenate([emb_in, h.astype(emb_in.dtype)], axis=-1), kv, masks, offset)
-        logits = model.head_logits(z).astype(mx.float32)
-        yield log_softmax(logits)
+        yield model.head_logits(z).astype(mx.float32)
 
 
 def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, unroll: int, targets: str):
@@ -215,18 +220,16 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
     B, T = tokens.shape
     qpos = tp.get("qpos")
     tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
-    tgt_logp = log_softmax(tp["label_logits"])
-    tgt_p = exp(tgt_logp)  # once: each step reads it shifted (lazy, so only soft targets compute it)
+    # once: each step reads them shifted (KL(target || drafter) from the drafter's logits, logit_terms)
+    soft = soft_labels(log_softmax(tp["label_logits"])) if targets == "soft" else None
     sub = model.draft_vocab if model.has_draft_vocab else None
     sums, correct, counts = [], [], []
-    for i, logp in enumerate(unrolled_logp(model, tp, T, unroll)):
-        lab_logp = shift(tgt_logp, 1 + i)  # target distribution of x_{t+2+i}
+    for i, x in enumerate(unrolled_logits(model, tp, T, unroll)):
         valid = (tpos + 2 + i < lengths[:, None]) & shift(loss_mask, 2 + i)
         vf = valid.astype(mx.float32)
         tgt_tok = shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
-        if targets == "soft":
-            p = shift(tgt_p, 1 + i)
-            per = (p * (lab_logp - logp)).sum(-1)  # KL(target || drafter) over the head's vocabulary
+        if soft is not None:  # KL to the target's distribution of x_{t+2+i}, over the head's vocabulary
+            per = logit_loss(x, None, tuple(shift(a, 1 + i) for a in soft))
         else:
             safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
             lab = safe if sub is None else tp["inv"][safe]
@@ -234,8 +237,8 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
                 valid = valid & (lab >= 0)
                 vf = valid.astype(mx.float32)
                 lab = mx.maximum(lab, 0)
-            per = -mx.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
-        pred = mx.argmax(logp, axis=-1)
+            per = logit_loss(x, lab)
+        pred = mx.argmax(x, axis=-1)
         if sub is not None:
             pred = sub[pred]
         hit = (pred == tgt_tok).astype(mx.float32)

@@ -54,7 +54,7 @@ from ...targets.base import TreeRope
 from ...train import data as data_mod
 from ...train import target as frozen
 from ...train.kind import KindTrainer, add_data_summaries, read_options
-from ...train.objective import log_softmax, shift, step_terms
+from ...train.objective import log_softmax, logit_terms, shift, soft_labels
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -198,10 +198,13 @@ def mtp_planned_terms(head, target, H, labels, toks, seg, pos, pairs, targets: s
     ``label_at``, ``pairs`` the plan's ``(at, lab)`` per depth as arrays."""
     sums, correct, counts = [], [], []
     soft = labels.ndim == 2
+    tgt_all = mx.argmax(labels, axis=-1) if soft else labels
+    soft_all = soft_labels(labels) if soft else None  # once for every depth's rows
     for (at, j), out in zip(pairs, mtp_outputs(head, target.embed, H, toks, seg, pos)):
-        logp = log_softmax(target.logits(rows_at(out, at)).astype(mx.float32))
-        lab = mx.take(labels, j, axis=0)  # the target's distribution of x_{i+k+1}
-        s, c, n = step_terms(logp, lab, mx.argmax(lab, axis=-1) if soft else lab, mx.ones(at.shape, mx.bool_), soft)
+        x = target.logits(rows_at(out, at)).astype(mx.float32)
+        # the target's distribution of x_{i+k+1}
+        lab = None if soft_all is None else tuple(mx.take(a, j, axis=0) for a in soft_all)
+        s, c, n = logit_terms(x, mx.take(tgt_all, j, axis=0), mx.ones(at.shape, mx.bool_), lab)
         sums.append(s)
         correct.append(c)
         counts.append(n)
