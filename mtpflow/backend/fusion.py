@@ -172,14 +172,14 @@ _probes: dict = {}
 
 def _probe(rows: int, T: int, dims: int, traditional: bool, dtype) -> mx.array:
     """``[rows, 1, T, dims]`` whose rotation is the table itself: pairs (1, 0)
-    give ``(cos, sin)`` exactly (1 * c - 0 * s = c, 1 * s + 0 * c = s)."""
+    give ``(cos, sin)`` exactly (1 * c - 0 * s = c, 1 * s + 0 * c = s).  Made
+    from host data (no graph), so threads and streams may share it."""
     key = (rows, T, dims, traditional, dtype)
     a = _probes.get(key)
     if a is None:
         half = dims // 2
-        one = mx.concatenate([mx.ones((half, 1)), mx.zeros((half, 1))], axis=-1).reshape(dims) if traditional \
-            else mx.concatenate([mx.ones((half,)), mx.zeros((half,))])
-        a = _probes[key] = mx.broadcast_to(one.astype(dtype), (rows, 1, T, dims))
+        one = np.tile([1.0, 0.0], half) if traditional else np.repeat([1.0, 0.0], half)
+        a = _probes[key] = mx.array(np.broadcast_to(one.astype(np.float32), (rows, 1, T, dims)), dtype=dtype)
     return a
 
 
