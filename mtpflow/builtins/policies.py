@@ -1,5 +1,7 @@
 """Built-in block-size and batch policies."""
 
+from collections import deque
+
 from mtpflow import hookimpl
 
 
@@ -57,9 +59,13 @@ class AdaptiveBlockPolicy:
       yet takes the estimate of the one before it.  Expected tokens per row
       for block size ``k``: ``E(k) = 1 + sum_{j<k-1} prod_{i<=j} p_i``;
     * **cost**: seconds per draft step (``draft_s / drafted``) and seconds of
-      verify + host per round for each block size measured, both as moving
-      averages; an unmeasured size is interpolated (extrapolated) linearly
-      from the measured ones.
+      verify + host per round for each block size measured, each the least of
+      its last ``cost_window`` measurements: noise only ever adds time (a
+      shape's first graph, which traces and compiles; another process), so one
+      slow round cannot make a size look dear for the rest of a request, and a
+      real change shows within ``cost_window`` rounds of that size.  An
+      unmeasured size is interpolated (extrapolated) linearly from the
+      measured ones.
 
     The first round runs ``draft.block_size``, the second runs block size 1
     (the null path, so the cost of verifying more than one token is known),
@@ -78,7 +84,8 @@ class AdaptiveBlockPolicy:
     name = "adaptive"
     explore_every = 8
     max_explore_every = 512
-    alpha = 0.3
+    cost_window = 4
+    alpha = 0.3  # the tree arms' moving averages
 
     def __init__(self, config):
         self.max_k = max(config.draft.max_block_size, config.draft.size)
@@ -92,6 +99,8 @@ class AdaptiveBlockPolicy:
         self.accepted = [0] * self.max_k
         self.step_s: float | None = None
         self.verify: dict[int, float] = {}
+        self._steps: deque = deque(maxlen=self.cost_window)
+        self._verifies: dict[int, deque] = {}
         self.seen: dict[int, int] = {}
         self.rounds = 0
         self._flip = 1
@@ -220,11 +229,13 @@ class AdaptiveBlockPolicy:
         self.seen[k] = self.seen.get(k, 0) + 1
         v = record.verify_s + record.host_s
         if v > 0:
-            self.verify[k] = v if k not in self.verify else (1 - a) * self.verify[k] + a * v
+            recent = self._verifies.setdefault(k, deque(maxlen=self.cost_window))
+            recent.append(v)
+            self.verify[k] = min(recent)
         d = record.drafted
         if d > 0:
-            per = record.draft_s / d
-            self.step_s = per if self.step_s is None else (1 - a) * self.step_s + a * per
+            self._steps.append(record.draft_s / d)
+            self.step_s = min(self._steps)
             for acc in record.accepted:
                 for i in range(min(acc + 1, d)):
                     self.reached[i] += 1
