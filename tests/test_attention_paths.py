@@ -138,31 +138,28 @@ def test_cpu_hands_causal_as_one_shared_array(session, monkeypatch):
     array -- the same object in every layer of a forward -- where a GPU gets ``"causal"``,
     and the tokens and every logit are the same bits."""
     s, p = session, prompt("e", "short")
-    arrays, logits = [], {}
+    arrays, logits, tokens = {}, {}, {}
     sdpa = mx.fast.scaled_dot_product_attention
+    orig = s.target.logits
 
     def rec(q, k, v, *a, mask=None, **kw):
         if isinstance(mask, mx.array) and q.shape[2] > 1:
-            arrays[-1].append(mask)
+            arrays[setting].append(mask)
         return sdpa(q, k, v, *a, mask=mask, **kw)
 
-    orig = s.target.logits
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", rec)
     for setting in (False, None):
         monkeypatch.setattr(SlotKVCache, "causal_array", setting)
-        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", rec)
-        arrays.append([])
-        got = logits[setting] = []
+        arrays[setting], got = [], logits.setdefault(setting, [])
         s.target.logits = lambda h, got=got: got.append(orig(h)) or got[-1]
         try:
-            tokens = _engine(s, [p], 6, block=3)
+            tokens[setting] = _engine(s, [p], 6, block=3)
         finally:
             del s.target.logits
-        logits[setting].append(tokens)
-    assert arrays[0] == [] and arrays[1]
-    verifies = [m for m in arrays[1] if m.ndim == 2]  # [N, S]: the causal ones (cache arrays are 4-D)
+    assert arrays[False] == [] and arrays[None]
+    verifies = [m for m in arrays[None] if m.ndim == 2]  # [N, S]: the causal ones (cache arrays are 4-D)
     assert verifies and all(m.dtype == mx.bool_ for m in verifies)
     assert len({id(m) for m in verifies}) * 2 <= len(verifies)  # each one shared by the layers of a forward
-    want, got = logits[False], logits[None]
-    assert want[-1] == got[-1] and len(want) == len(got)
-    for a, b in zip(want[:-1], got[:-1]):
+    assert tokens[False] == tokens[None] and len(logits[False]) == len(logits[None])
+    for a, b in zip(logits[False], logits[None]):
         assert mx.array_equal(a, b).item()

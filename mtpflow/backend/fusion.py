@@ -124,16 +124,13 @@ def _rope_spec(module) -> tuple | None:
     scale ``x`` first: those keep the compiled whole call)."""
     spec = module.__dict__.get("_mtpflow_spec", False)
     if spec is False:
-        freqs = getattr(module, "_freqs", None)
-        if _originals.get(type(module), type(module)) in _plain_ropes():
-            if isinstance(module, nn.RoPE):
-                spec = (module.dims, module.traditional, module.base, module.scale, None)
-            elif isinstance(freqs, mx.array):
+        spec, cls = None, _originals.get(type(module), type(module))
+        if cls is nn.RoPE:
+            spec = (module.dims, module.traditional, module.base, module.scale, None)
+        elif cls in _rope_utils_classes(*_PLAIN_ROPES):
+            freqs = getattr(module, "_freqs", None)
+            if isinstance(freqs, mx.array):
                 spec = (module.dims, module.traditional, None, 1.0, bytes(np.array(freqs.astype(mx.float32))))
-            else:
-                spec = None
-        else:
-            spec = None
         object.__setattr__(module, "_mtpflow_spec", spec)
     return spec
 
@@ -215,23 +212,18 @@ class _FusedRoPE:
         return _rotate(traditional, dims)(x, t[4], t[5])
 
 
-_plain = None
+#: mlx-lm's RoPE classes whose call is ``mx.fast.rope(x, dims, traditional, base=None, scale=1,
+#: offset, freqs=self._freqs)`` on the module's constants alone (besides ``nn.RoPE``)
+_PLAIN_ROPES = ("Llama3RoPE", "ProportionalRoPE")
 
 
-def _plain_ropes() -> tuple:
-    """The RoPE classes whose call is ``mx.fast.rope(x, dims, traditional, base, scale, offset, freqs)``
-    on the module's constants alone."""
-    global _plain
-    if _plain is None:
-        plain = [nn.RoPE]
-        try:
-            from mlx_lm.models import rope_utils
-
-            plain += [getattr(rope_utils, n) for n in ("Llama3RoPE", "ProportionalRoPE") if hasattr(rope_utils, n)]
-        except ImportError:  # pragma: no cover
-            pass
-        _plain = tuple(plain)
-    return _plain
+def _rope_utils_classes(*names) -> tuple:
+    """The classes of ``mlx_lm.models.rope_utils`` among ``names`` that this mlx-lm has."""
+    try:
+        from mlx_lm.models import rope_utils
+    except ImportError:  # pragma: no cover
+        return ()
+    return tuple(getattr(rope_utils, n) for n in names if hasattr(rope_utils, n))
 
 
 class _KeptTranspose:
@@ -279,15 +271,8 @@ class _LeanEmbedding(_KeptTranspose):
 def _known() -> dict:
     """``{original class: mixin}`` of the modules :func:`fuse` swaps."""
     known = {nn.RMSNorm: _FusedRMSNorm, nn.RoPE: _FusedRoPE, nn.Linear: _LeanLinear, nn.Embedding: _LeanEmbedding}
-    try:
-        from mlx_lm.models import rope_utils
-
-        for name in ("Llama3RoPE", "ProportionalRoPE", "YarnRoPE", "SuScaledRoPE"):
-            cls = getattr(rope_utils, name, None)
-            if cls is not None:
-                known[cls] = _FusedRoPE
-    except ImportError:  # pragma: no cover
-        pass
+    for cls in _rope_utils_classes(*_PLAIN_ROPES, "YarnRoPE", "SuScaledRoPE"):
+        known[cls] = _FusedRoPE
     for name in ("gemma", "gemma2", "gemma3_text"):  # their RMSNorm scales by 1 + weight
         try:
             mod = __import__(f"mlx_lm.models.{name}", fromlist=["RMSNorm"])
