@@ -58,18 +58,25 @@ class AdaptiveBlockPolicy:
       error, shrinking as rounds accumulate), and a position never reached
       yet takes the estimate of the one before it.  Expected tokens per row
       for block size ``k``: ``E(k) = 1 + sum_{j<k-1} prod_{i<=j} p_i``;
-    * **cost**: seconds per draft step (``draft_s / drafted``) and seconds of
-      verify + host per round for each block size measured, each the least of
-      its last ``cost_window`` measurements: noise only ever adds time (a
-      shape's first graph, which traces and compiles; another process), so one
-      slow round cannot make a size look dear for the rest of a request, and a
-      real change shows within ``cost_window`` rounds of that size.  An
-      unmeasured size is interpolated (extrapolated) linearly from the
-      measured ones.
+    * **cost**: seconds of a whole round (drafting, verify, host) for each
+      block size measured, the least of its last ``cost_window`` rounds:
+      noise only ever adds time (a shape's first graph, which traces and
+      compiles; another process), so one slow round cannot make a size look
+      dear for the rest of a request, and a real change shows within
+      ``cost_window`` rounds of that size.  A size's drafting is measured
+      with it: a draft step's cost depends on the block (on a 2-core CPU the
+      second step of a block measured about twice the first), so a cost per
+      step read from short blocks would underestimate long ones.  Null rounds
+      that the round before built ahead (``record.overlapped``) shift time
+      between rounds: the round that builds the next one waits for both
+      forwards, the last of the run waits for almost nothing.  Such a run is
+      measured as one sample, its average, when it ends.  An unmeasured size
+      is interpolated (extrapolated) linearly from the measured ones.
 
-    The first round runs ``draft.block_size``, the second runs block size 1
-    (the null path, so the cost of verifying more than one token is known),
-    then every round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
+    The first round runs ``draft.block_size``, the next two run block size 1
+    (the null path, so the cost of verifying more than one token is known;
+    twice, as the first round of a shape also traces its graph), then every
+    round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
     now and then so the model follows changes (acceptance drifting with the
     text, rows leaving the batch): first after ``explore_every`` rounds, and
     each time a try leaves the best size unchanged the wait doubles (up to
@@ -97,10 +104,9 @@ class AdaptiveBlockPolicy:
         self._tree_next = 0
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
-        self.step_s: float | None = None
-        self.verify: dict[int, float] = {}
-        self._steps: deque = deque(maxlen=self.cost_window)
-        self._verifies: dict[int, deque] = {}
+        self.round_s: dict[int, float] = {}  # block size -> estimated seconds of a round
+        self._recent: dict[int, deque] = {}
+        self._run: list[float] = []  # the null rounds of the current look-ahead run, seconds each
         self.seen: dict[int, int] = {}
         self.rounds = 0
         self._flip = 1
@@ -128,16 +134,16 @@ class AdaptiveBlockPolicy:
             e += run
         return e
 
-    def verify_cost(self, k: int) -> float:
-        """Seconds of verify + host for block size ``k``: the measured
-        averages made non-decreasing in ``k`` (verifying more tokens never
-        costs less; a noisy cheap measurement must not make every larger size
-        look cheap), interpolated linearly between measured sizes and
-        extrapolated with the slope of the two largest."""
-        known = sorted(self.verify)
+    def cost(self, k: int) -> float:
+        """Seconds of a round of block size ``k``: the measured estimates made
+        non-decreasing in ``k`` (a round of more tokens never costs less; a
+        noisy cheap measurement must not make every larger size look cheap),
+        interpolated linearly between measured sizes and extrapolated with
+        the slope of the two largest."""
+        known = sorted(self.round_s)
         env, run = {}, 0.0
         for x in known:
-            run = max(run, self.verify[x])
+            run = max(run, self.round_s[x])
             env[x] = run
         if k in env:
             return env[k]
@@ -154,9 +160,6 @@ class AdaptiveBlockPolicy:
         va, vb = env[a], env[b]
         return max(va + (vb - va) * (k - a) / (b - a), 1e-9)
 
-    def cost(self, k: int) -> float:
-        return self.verify_cost(k) + (k - 1) * (self.step_s or 0.0)
-
     def predicted_rate(self, k: int) -> float:
         """Predicted tokens per second per row at block size ``k``."""
         return self.expected_tokens(k) / self.cost(k)
@@ -170,9 +173,9 @@ class AdaptiveBlockPolicy:
         return self.tree_tokens[key] / max(self.tree_cost[key], 1e-9)
 
     def block_size(self, stats):
-        if self.start not in self.verify:
+        if self.start not in self.round_s:
             return self.start
-        if 1 not in self.verify:
+        if self.seen.get(1, 0) < 2:
             return 1
         untried = [t for t in self.trees if t.describe() not in self.tree_tokens]
         if untried:  # every tree shape once, after the chain's first measurements
@@ -206,36 +209,47 @@ class AdaptiveBlockPolicy:
         """What :meth:`block_size` will most likely return next (``None``: no
         guess), without its side effects: the round loop builds the next round
         early when it will draft nothing.  A wrong guess costs one verify."""
-        if self.start not in self.verify or 1 not in self.verify or self.trees:
+        if self.start not in self.round_s or self.seen.get(1, 0) < 2 or self.trees:
             return None
         best = self.best()
         if best == self._best and self.rounds + 1 >= self._next and self.max_k > 1:
             return None  # a neighbour will be tried
         return best
 
+    def _measure(self, k: int, seconds: float) -> None:
+        if seconds > 0:
+            recent = self._recent.setdefault(k, deque(maxlen=self.cost_window))
+            recent.append(seconds)
+            self.round_s[k] = min(recent)
+
     def observe(self, record) -> None:
+        v = record.draft_s + record.verify_s + record.host_s
+        if record.overlapped:  # a null round the one before built and started: the run goes on
+            self._run.append(v)
+            self.seen[1] = self.seen.get(1, 0) + 1
+            return
+        if len(self._run) > 1:  # a look-ahead run ended: its rounds' time, shared out
+            self._measure(1, sum(self._run) / len(self._run))
+        self._run = []
         a = self.alpha
         if record.tree is not None:
             key = record.tree
             tok = sum(n + 1 for n in record.accepted) / max(record.batch_size, 1)
-            cost = record.draft_s + record.verify_s + record.host_s
             if key in self.tree_tokens:
                 self.tree_tokens[key] = (1 - a) * self.tree_tokens[key] + a * tok
-                self.tree_cost[key] = (1 - a) * self.tree_cost[key] + a * cost
+                self.tree_cost[key] = (1 - a) * self.tree_cost[key] + a * v
             else:
-                self.tree_tokens[key], self.tree_cost[key] = tok, cost
+                self.tree_tokens[key], self.tree_cost[key] = tok, v
             return
         k = record.block_size
         self.seen[k] = self.seen.get(k, 0) + 1
-        v = record.verify_s + record.host_s
-        if v > 0:
-            recent = self._verifies.setdefault(k, deque(maxlen=self.cost_window))
-            recent.append(v)
-            self.verify[k] = min(recent)
+        # a null round that builds the next one reads two forwards: only ever too dear, which
+        # the least of the window ignores; it may start a run
+        self._measure(k, v)
+        if k == 1:
+            self._run = [v]
         d = record.drafted
         if d > 0:
-            self._steps.append(record.draft_s / d)
-            self.step_s = min(self._steps)
             for acc in record.accepted:
                 for i in range(min(acc + 1, d)):
                     self.reached[i] += 1
