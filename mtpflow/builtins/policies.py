@@ -53,10 +53,11 @@ class AdaptiveBlockPolicy:
 
     * **acceptance**: for every draft position ``i``, how many row-rounds
       reached it (all drafts before it accepted) and how many accepted it;
-      ``p_i = m + sqrt(m (1 - m) / (reached + 2))`` with
-      ``m = (accepted + 1) / (reached + 2)`` (optimistic by one standard
-      error, shrinking as rounds accumulate), and a position never reached
-      yet takes the estimate of the one before it.  Expected tokens per row
+      ``p_i = m = (accepted + 1) / (reached + 2)``, and for the first draft
+      ``p_0 = m + sqrt(m (1 - m) / (reached + 2))`` (optimistic by one
+      standard error, shrinking as rounds accumulate, so drafting at all is
+      tried again); a position never reached yet takes the estimate of the
+      one before it.  Expected tokens per row
       for block size ``k``: ``E(k) = 1 + sum_{j<k-1} prod_{i<=j} p_i``;
     * **cost**: seconds of a whole round (drafting, verify, host) for each
       block size measured, the least of its last ``cost_window`` rounds:
@@ -116,15 +117,18 @@ class AdaptiveBlockPolicy:
 
     # -- the model -----------------------------------------------------------------
     def p(self, i: int) -> float:
-        """Optimistic acceptance estimate of draft position ``i``: the smoothed
-        rate plus one standard error, so a size measured only a few times is
-        tried again rather than written off after one unlucky round."""
+        """Acceptance estimate of draft position ``i``: the smoothed rate, and
+        for the first draft one standard error more, so that drafting at all
+        is tried again rather than written off after a few unlucky rounds.
+        Later positions take the smoothed rate alone: they are reached only
+        when the drafts before them were accepted, so their counts stay small
+        and an optimistic estimate would keep buying blocks that do not pay."""
         est = 0.5
         for j in range(i + 1):
             n = self.reached[j]
             if n:
                 m = (self.accepted[j] + 1) / (n + 2)
-                est = min(1.0, m + (m * (1 - m) / (n + 2)) ** 0.5)
+                est = min(1.0, m + (m * (1 - m) / (n + 2)) ** 0.5) if j == 0 else m
         return est
 
     def expected_tokens(self, k: int) -> float:
