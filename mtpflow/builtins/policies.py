@@ -70,13 +70,15 @@ class AdaptiveBlockPolicy:
       step read from short blocks would underestimate long ones.  Null rounds
       that the round before built ahead (``record.overlapped``) shift time
       between rounds: the round that builds the next one waits for both
-      forwards, the last of the run waits for almost nothing.  Such a run is
-      measured as one sample, its average, when it ends.  An unmeasured size
-      is interpolated (extrapolated) linearly from the measured ones.
+      forwards, the last of the run waits for almost nothing.  Such a run,
+      the round that built it included, is measured as one sample, its
+      average, when it ends (a slow round inside it raises that sample only).
+      An unmeasured size is interpolated (extrapolated) linearly from the
+      measured ones.
 
-    The first round runs ``draft.block_size``, the next two run block size 1
-    (the null path, so the cost of verifying more than one token is known;
-    twice, as the first round of a shape also traces its graph), then every
+    The first round runs ``draft.block_size``, then block size 1 until the
+    null path has run twice (so the cost of verifying more than one token is
+    known; twice, as the first round of a shape also traces its graph), then every
     round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
     now and then so the model follows changes (acceptance drifting with the
     text, rows leaving the batch): first after ``explore_every`` rounds, and
@@ -212,7 +214,9 @@ class AdaptiveBlockPolicy:
     def peek(self, stats):
         """What :meth:`block_size` will most likely return next (``None``: no
         guess), without its side effects: the round loop builds the next round
-        early when it will draft nothing.  A wrong guess costs one verify."""
+        early when it will draft nothing.  A wrong guess costs one verify.
+        No guess while the null path is measured at the start: those rounds
+        are not built ahead, so each reads its own forward."""
         if self.start not in self.round_s or self.seen.get(1, 0) < 2 or self.trees:
             return None
         best = self.best()
@@ -229,6 +233,13 @@ class AdaptiveBlockPolicy:
     def observe(self, record) -> None:
         v = record.draft_s + record.verify_s + record.host_s
         if record.overlapped:  # a null round the one before built and started: the run goes on
+            if len(self._run) == 1:
+                # the round before built this one: its reading, two forwards, leaves the
+                # window (kept when it is block 1's only one), the run's average replaces it
+                recent = self._recent[1]
+                if len(recent) > 1 and recent[-1] == self._run[0]:
+                    recent.pop()
+                    self.round_s[1] = min(recent)
             self._run.append(v)
             self.seen[1] = self.seen.get(1, 0) + 1
             return
@@ -247,8 +258,8 @@ class AdaptiveBlockPolicy:
             return
         k = record.block_size
         self.seen[k] = self.seen.get(k, 0) + 1
-        # a null round that builds the next one reads two forwards: only ever too dear, which
-        # the least of the window ignores; it may start a run
+        # a null round may start a run: measured now, and taken back if the next round shows
+        # that it built one (see above)
         self._measure(k, v)
         if k == 1:
             self._run = [v]
