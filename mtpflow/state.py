@@ -362,6 +362,11 @@ class RoundRecord:
     #: the round's verify was built during the previous round's compute (the
     #: null path's lookahead, see :class:`Lookahead`)
     overlapped: bool = False
+    #: the round built the next round's verify and started it before its own
+    #: sync; its ``verify_s`` includes the time the host waited to submit that
+    #: graph (on a CPU device, which keeps only a few operations in flight, most
+    #: of the next forward), and the next round's reads that much less
+    built_ahead: bool = False
 
     @property
     def produced_tokens(self) -> list[int]:

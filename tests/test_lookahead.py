@@ -4,7 +4,7 @@ must be exactly those without it: greedy equals target-only, seeded sampling is
 the same stream, and ragged, stopping and joining rows drop a stale lookahead."""
 
 import pytest
-from conftest import drive_with_late_joiners, make_session, prompt, reference
+from conftest import RoundLog, drive_with_late_joiners, make_session, prompt, reference
 
 from mtpflow.builtins import stages
 from mtpflow.engine import generate_stream, make_request
@@ -42,6 +42,24 @@ def test_null_rounds_overlap_and_match_target_only(s1):
         # every round but the first adopts the one built ahead of it; the last builds none
         assert st["overlapped_rounds"] == s1.stats.rounds - 1 > 30
         assert s1.stats.syncs == s1.stats.rounds
+
+
+def test_round_records_say_which_round_built_the_next(s1):
+    """``built_ahead`` marks the round whose sync also waited on the next round's verify (the
+    adaptive policy measures such runs as a whole): each overlapped round follows one that
+    built it, and a round built ahead of nothing is never claimed."""
+    log = RoundLog()
+    s1.plugins.pm.register(log, name="test-round-log")
+    try:
+        req = make_request(s1, prompt("e", "short"), max_tokens=24)
+        run(s1, [req])
+    finally:
+        s1.plugins.pm.unregister(log)
+    records = log.records
+    assert len(records) > 20
+    for before, after in zip(records, records[1:]):
+        assert before.built_ahead == after.overlapped
+    assert not records[-1].built_ahead
 
 
 def test_long_generation_past_the_window_many_times(s1):

@@ -44,7 +44,7 @@ def simulate(policy, p_accept, step_s, verify_s, rounds=96, rows=1, seed=0, look
         built = builds
         policy.observe(RoundRecord(round=i, batch_size=rows, block_size=k, drafted=k - 1, accepted=acc,
                                    emitted=[a + 1 for a in acc], draft_s=(k - 1) * step_s, verify_s=verify,
-                                   host_s=0.0, overlapped=overlapped))
+                                   host_s=0.0, overlapped=overlapped, built_ahead=builds))
     return chosen
 
 
@@ -106,9 +106,10 @@ def test_adaptive_policy_is_not_misled_by_slow_rounds():
         assert chosen[24:].count(1) >= 0.75 * len(chosen[24:]), (lookahead, chosen)
 
 
-def _record(i, k, draft_s, verify_s, accepted=0, overlapped=False):
+def _record(i, k, draft_s, verify_s, accepted=0, overlapped=False, built_ahead=False):
     return RoundRecord(round=i, batch_size=1, block_size=k, drafted=k - 1, accepted=[accepted],
-                       emitted=[accepted + 1], draft_s=draft_s, verify_s=verify_s, host_s=0.0, overlapped=overlapped)
+                       emitted=[accepted + 1], draft_s=draft_s, verify_s=verify_s, host_s=0.0, overlapped=overlapped,
+                       built_ahead=built_ahead)
 
 
 def test_adaptive_policy_shares_out_a_run_of_rounds_built_ahead():
@@ -122,21 +123,29 @@ def test_adaptive_policy_shares_out_a_run_of_rounds_built_ahead():
     F = 0.066
     reads = [1.8 * F, F, F, F, 0.2 * F]  # the builder, three built and building, the last built
     for i, v in enumerate(reads):
-        pol.observe(_record(1 + i, 1, 0.0, v, overlapped=i > 0))
-    pol.observe(_record(6, 2, 0.002, 0.080, accepted=1))  # the run ends
-    assert pol.cost(1) == pytest.approx(F)
+        pol.observe(_record(1 + i, 1, 0.0, v, overlapped=i > 0, built_ahead=i < len(reads) - 1))
+    assert pol.cost(1) == pytest.approx(F)  # measured as the run ends
+    pol.observe(_record(6, 2, 0.002, 0.080, accepted=1))
     assert pol.seen[1] == 5
-    # the round that built a run leaves the window: two more runs keep an earlier, cheaper
-    # null reading in it (the builders' own readings would have pushed it out)
+    # the round that builds a run is not measured alone: two more runs keep an earlier, cheaper
+    # null reading in the window (the builders' own readings would push it out)
     i = 7
     pol.observe(_record(i, 1, 0.0, 0.95 * F))
     for _ in range(2):
         pol.observe(_record(i + 1, 2, 0.002, 0.080, accepted=1))
         for j, v in enumerate(reads):
-            pol.observe(_record(i + 2 + j, 1, 0.0, v, overlapped=j > 0))
+            pol.observe(_record(i + 2 + j, 1, 0.0, v, overlapped=j > 0, built_ahead=j < len(reads) - 1))
         i += 2 + len(reads)
-    pol.observe(_record(i, 2, 0.002, 0.080, accepted=1))
     assert pol.cost(1) == pytest.approx(0.95 * F)
+    # a round built ahead and then dropped (the next round drafts) is measured as it stands, not
+    # averaged into the next run
+    pol = AdaptiveBlockPolicy(cfg)
+    pol.observe(_record(0, 2, 0.002, 0.080, accepted=1))
+    pol.observe(_record(1, 1, 0.0, 3 * F, built_ahead=True))
+    pol.observe(_record(2, 2, 0.002, 0.080, accepted=1))
+    for j, v in enumerate([1.8 * F, 0.2 * F]):
+        pol.observe(_record(3 + j, 1, 0.0, v, overlapped=j > 0, built_ahead=j == 0))
+    assert pol.cost(1) == pytest.approx(F)
 
 
 def test_adaptive_policy_counts_a_whole_round_per_block_size():

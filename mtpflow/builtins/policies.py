@@ -68,10 +68,10 @@ class AdaptiveBlockPolicy:
       with it: a draft step's cost depends on the block (on a 2-core CPU the
       second step of a block measured about twice the first), so a cost per
       step read from short blocks would underestimate long ones.  Null rounds
-      that the round before built ahead (``record.overlapped``) shift time
-      between rounds: the round that builds the next one waits for both
-      forwards, the last of the run waits for almost nothing.  Such a run,
-      the round that built it included, is measured as one sample, its
+      that build the next one (``record.built_ahead``) or were built by the
+      one before (``record.overlapped``) shift time between rounds: on a CPU
+      the round that builds the next one waits for both forwards, the last of
+      the run for almost nothing.  Such a run is measured as one sample, its
       average, when it ends (a slow round inside it raises that sample only).
       An unmeasured size is interpolated (extrapolated) linearly from the
       measured ones.
@@ -232,20 +232,19 @@ class AdaptiveBlockPolicy:
 
     def observe(self, record) -> None:
         v = record.draft_s + record.verify_s + record.host_s
-        if record.overlapped:  # a null round the one before built and started: the run goes on
-            if len(self._run) == 1:
-                # the round before built this one: its reading, two forwards, leaves the
-                # window (kept when it is block 1's only one), the run's average replaces it
-                recent = self._recent[1]
-                if len(recent) > 1 and recent[-1] == self._run[0]:
-                    recent.pop()
-                    self.round_s[1] = min(recent)
-            self._run.append(v)
-            self.seen[1] = self.seen.get(1, 0) + 1
-            return
-        if len(self._run) > 1:  # a look-ahead run ended: its rounds' time, shared out
+        if self._run and not record.overlapped:
+            # the round built ahead was dropped (this one drafts, or rows left): the run so far,
+            # whose last round waited for a forward no round used
             self._measure(1, sum(self._run) / len(self._run))
-        self._run = []
+            self._run = []
+        if record.overlapped or record.built_ahead:  # a look-ahead run, measured as a whole
+            self._run.append(v)
+            if not record.built_ahead:  # its last round
+                self._measure(1, sum(self._run) / len(self._run))
+                self._run = []
+            if record.overlapped:
+                self.seen[1] = self.seen.get(1, 0) + 1
+                return
         a = self.alpha
         if record.tree is not None:
             key = record.tree
@@ -258,11 +257,8 @@ class AdaptiveBlockPolicy:
             return
         k = record.block_size
         self.seen[k] = self.seen.get(k, 0) + 1
-        # a null round may start a run: measured now, and taken back if the next round shows
-        # that it built one (see above)
-        self._measure(k, v)
-        if k == 1:
-            self._run = [v]
+        if not record.built_ahead:
+            self._measure(k, v)
         d = record.drafted
         if d > 0:
             for acc in record.accepted:

@@ -396,7 +396,8 @@ def mtpflow_round_protocol(session, state):
         verify = hook.mtpflow_verify(session=session, state=state, draft=draft)
         acc = hook.mtpflow_accept(session=session, state=state, draft=draft, verify=verify)
     outputs = (acc.counts, acc.tokens, verify.hidden, *(() if acc.path is None else (acc.path,)))
-    if n_draft == 0 and _next_round_null(session, state, remaining):
+    built_ahead = n_draft == 0 and _next_round_null(session, state, remaining)
+    if built_ahead:
         if ahead is None:  # else: started by the previous round already
             mx.async_eval(*outputs)
         _lookahead(session, state, draft, acc)
@@ -428,6 +429,7 @@ def mtpflow_round_protocol(session, state):
         nodes=n_draft,
         tree=tree.describe() if draft.is_tree and tree is not None else None,
         overlapped=ahead is not None,
+        built_ahead=built_ahead,
     )
     session.stats.observe(record)
     session.block_policy.observe(record)
