@@ -365,7 +365,9 @@ class RoundRecord:
     #: the round built the next round's verify and started it before its own
     #: sync; its ``verify_s`` includes the time the host waited to submit that
     #: graph (on a CPU device, which keeps only a few operations in flight, most
-    #: of the next forward), and the next round's reads that much less
+    #: of the next forward).  The next round, when it adopts that verify
+    #: (``overlapped``), reads that much less; when it does not (it drafts, or
+    #: rows finished), that forward was computed for nothing.
     built_ahead: bool = False
 
     @property

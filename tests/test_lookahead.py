@@ -44,22 +44,35 @@ def test_null_rounds_overlap_and_match_target_only(s1):
         assert s1.stats.syncs == s1.stats.rounds
 
 
-def test_round_records_say_which_round_built_the_next(s1):
-    """``built_ahead`` marks the round whose sync also waited on the next round's verify (the
-    adaptive policy measures such runs as a whole): each overlapped round follows one that
-    built it, and a round built ahead of nothing is never claimed."""
+def _records(session, reqs):
     log = RoundLog()
-    s1.plugins.pm.register(log, name="test-round-log")
+    session.plugins.pm.register(log, name="test-round-log")
     try:
-        req = make_request(s1, prompt("e", "short"), max_tokens=24)
-        run(s1, [req])
+        run(session, reqs)
     finally:
-        s1.plugins.pm.unregister(log)
-    records = log.records
+        session.plugins.pm.unregister(log)
+    return log.records
+
+
+def test_round_records_say_which_round_built_the_next(s1):
+    """``built_ahead`` marks the round that built the next round's verify and started it (its
+    sync also waited on that forward; the adaptive policy measures such runs as a whole), and
+    ``overlapped`` the round that adopted it.  One row ending by length adopts every look-ahead;
+    a row that stops drops the one built in its last round, which still says it built one."""
+    records = _records(s1, [make_request(s1, prompt("e", "short"), max_tokens=24)])
     assert len(records) > 20
     for before, after in zip(records, records[1:]):
         assert before.built_ahead == after.overlapped
     assert not records[-1].built_ahead
+
+    ref = reference(s1, prompt("e", "long"), 30)
+    req = make_request(s1, prompt("e", "long"), max_tokens=30)
+    req.stop_ids = frozenset({ref[12]})
+    records = _records(s1, [req, make_request(s1, prompt("e", "short"), max_tokens=30)])
+    for before, after in zip(records, records[1:]):
+        assert after.overlapped <= before.built_ahead  # only a round built ahead is adopted
+    dropped = [i for i, (b, a) in enumerate(zip(records, records[1:])) if b.built_ahead and not a.overlapped]
+    assert dropped, [(r.built_ahead, r.overlapped) for r in records]
 
 
 def test_long_generation_past_the_window_many_times(s1):

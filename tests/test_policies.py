@@ -143,6 +143,7 @@ def test_adaptive_policy_shares_out_a_run_of_rounds_built_ahead():
     pol.observe(_record(0, 2, 0.002, 0.080, accepted=1))
     pol.observe(_record(1, 1, 0.0, 3 * F, built_ahead=True))
     pol.observe(_record(2, 2, 0.002, 0.080, accepted=1))
+    assert pol.cost(1) == pytest.approx(3 * F)  # that round waited for a forward no round used
     for j, v in enumerate([1.8 * F, 0.2 * F]):
         pol.observe(_record(3 + j, 1, 0.0, v, overlapped=j > 0, built_ahead=j == 0))
     assert pol.cost(1) == pytest.approx(F)

@@ -72,7 +72,10 @@ class AdaptiveBlockPolicy:
       one before (``record.overlapped``) shift time between rounds: on a CPU
       the round that builds the next one waits for both forwards, the last of
       the run for almost nothing.  Such a run is measured as one sample, its
-      average, when it ends (a slow round inside it raises that sample only).
+      average, when its last round arrives (a slow round inside it raises that
+      sample only); a run whose last look-ahead was dropped (the next round
+      drafts, or rows finished) is measured as it stands when the next round
+      arrives.
       An unmeasured size is interpolated (extrapolated) linearly from the
       measured ones.
 
