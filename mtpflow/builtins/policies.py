@@ -233,21 +233,21 @@ class AdaptiveBlockPolicy:
             recent.append(seconds)
             self.round_s[k] = min(recent)
 
+    def _end_run(self) -> None:
+        self._measure(1, sum(self._run) / len(self._run))
+        self._run = []
+
     def observe(self, record) -> None:
         v = record.draft_s + record.verify_s + record.host_s
         if self._run and not record.overlapped:
             # the round built ahead was dropped (this one drafts, or rows left): the run so far,
             # whose last round waited for a forward no round used
-            self._measure(1, sum(self._run) / len(self._run))
-            self._run = []
-        if record.overlapped or record.built_ahead:  # a look-ahead run, measured as a whole
+            self._end_run()
+        in_run = record.overlapped or record.built_ahead  # a look-ahead run, measured as a whole
+        if in_run:
             self._run.append(v)
             if not record.built_ahead:  # its last round
-                self._measure(1, sum(self._run) / len(self._run))
-                self._run = []
-            if record.overlapped:
-                self.seen[1] = self.seen.get(1, 0) + 1
-                return
+                self._end_run()
         a = self.alpha
         if record.tree is not None:
             key = record.tree
@@ -260,7 +260,7 @@ class AdaptiveBlockPolicy:
             return
         k = record.block_size
         self.seen[k] = self.seen.get(k, 0) + 1
-        if not record.built_ahead:
+        if not in_run:
             self._measure(k, v)
         d = record.drafted
         if d > 0:
