@@ -272,6 +272,7 @@ class SlotKVCache:
 
 _last_advance: tuple = (None, 0, None, None)
 _gpu: bool | None = None
+_cpu: bool | None = None
 
 
 def _on_cuda() -> bool:
@@ -285,15 +286,15 @@ def _on_cuda() -> bool:
 
 
 def _causal_as_array(setting: bool | None) -> bool:
+    """``causal_array``, with ``None`` read as whether MLX's default device is a CPU (asked once)."""
     global _cpu
     if setting is not None:
         return setting
     if _cpu is None:
-        _cpu = mx.default_device().type == mx.DeviceType.cpu
+        from ..backend.profiles import device_kind
+
+        _cpu = device_kind() == "cpu"
     return _cpu
-
-
-_cpu: bool | None = None
 
 
 def _causal(idx: int, N: int) -> mx.array:
