@@ -98,3 +98,18 @@ def test_logit_terms_equal_step_terms_of_the_log_softmax(soft):
     g0, g1 = mx.grad(lambda x: old(x)[0])(x), mx.grad(lambda x: new(x)[0])(x)
     assert mx.abs(g0 - g1).max().item() < 1e-5
     assert mx.abs(g0).max().item() > 1e-2  # the gradient is not trivially zero
+
+
+@pytest.mark.parametrize("power", [True, False])
+def test_top_hit_is_the_argmax_hitting_the_index(monkeypatch, power):
+    """``top_hit`` with the maximum ``logsumexp_max`` returns is ``argmax(x) == idx`` (no ties in
+    random logits), on both exp paths; a tie for the maximum counts as a hit."""
+    monkeypatch.setattr(obj, "_power_exp", lambda: power)
+    x = mx.random.normal((4, 9, 257), key=mx.random.key(41)) * 3
+    am = mx.argmax(x, axis=-1)
+    idx = mx.where(mx.arange(9)[None] % 2 == 0, am, (am + 1) % 257)
+    lse, m = obj.logsumexp_max(x)
+    assert mx.array_equal(obj.top_hit(x, idx, m), am == idx).item()
+    assert mx.allclose(lse, mx.logsumexp(x, axis=-1, keepdims=True), rtol=1e-6).item()
+    tied = mx.zeros((1, 5))
+    assert obj.top_hit(tied, mx.array([3]), obj.logsumexp_max(tied)[1]).item()

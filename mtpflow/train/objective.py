@@ -26,11 +26,25 @@ def exp(x: mx.array) -> mx.array:
 def logsumexp(x: mx.array) -> mx.array:
     """``log(sum(exp(x)))`` over the last axis, kept; with :func:`exp` (its
     gradient, the softmax, reuses the forward's ``exp``)."""
+    return logsumexp_max(x)[0]
+
+
+def logsumexp_max(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``(logsumexp(x), max(x))`` over the last axis, kept (the max without a
+    gradient): :func:`logsumexp` and the row maximum it subtracts, which
+    :func:`top_hit` reads instead of a second pass over ``x`` for an argmax."""
+    m = mx.stop_gradient(mx.max(x, axis=-1, keepdims=True))
     if not _power_exp():
-        return mx.logsumexp(x, axis=-1, keepdims=True)
-    m = mx.max(x, axis=-1, keepdims=True)
-    m = mx.stop_gradient(mx.where(mx.isinf(m), 0.0, m))  # a row of -inf: log(0) = -inf, as mx.logsumexp
-    return m + mx.log(exp(x - m).sum(axis=-1, keepdims=True))
+        return mx.logsumexp(x, axis=-1, keepdims=True), m
+    c = mx.where(mx.isinf(m), 0.0, m)  # a row of -inf: log(0) = -inf, as mx.logsumexp
+    return c + mx.log(exp(x - c).sum(axis=-1, keepdims=True)), m
+
+
+def top_hit(x: mx.array, idx: mx.array, m: mx.array) -> mx.array:
+    """Whether ``x[..., idx]`` is the row's maximum ``m`` (:func:`logsumexp_max`):
+    ``argmax(x) == idx`` without a pass over the row for the argmax (a tie for
+    the maximum counts as a hit, where ``argmax`` takes the first index)."""
+    return mx.take_along_axis(x, idx[..., None], axis=-1)[..., 0] >= m[..., 0]
 
 
 def log_softmax(x: mx.array) -> mx.array:
@@ -76,21 +90,26 @@ def logit_terms(x: mx.array, tgt: mx.array, valid: mx.array, soft: tuple | None 
     :func:`soft_labels` of the target's distribution, or the cross-entropy of the token ``tgt``,
     ``logsumexp(x) - x[tgt]``.  The same terms to float rounding, without a vocabulary-wide
     ``log_softmax`` in the forward and the backward (about 40 % less elementwise work over a
-    step's logits).  ``correct`` counts ``argmax(x)`` (the log-distribution's) hitting ``tgt``."""
+    step's logits).  ``correct`` counts ``x[tgt]`` being the row's maximum (:func:`top_hit`: the
+    argmax hitting ``tgt``)."""
     vf = valid.astype(mx.float32)
-    per = logit_loss(x, tgt, soft)
-    correct = mx.stop_gradient(((mx.argmax(x, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+    per, m = logit_loss(x, tgt, soft, with_max=True)
+    correct = mx.stop_gradient((top_hit(x, tgt, m) & valid).sum().astype(mx.float32))
     return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
 
 
-def logit_loss(x: mx.array, tgt: mx.array | None, soft: tuple | None = None) -> mx.array:
+def logit_loss(x: mx.array, tgt: mx.array | None, soft: tuple | None = None, with_max: bool = False):
     """Per row of the logits ``x``: ``KL(p || softmax x)`` with ``soft`` = :func:`soft_labels`,
-    else the cross-entropy of the token ``tgt`` (:func:`logit_terms`)."""
-    lse = logsumexp(x)[..., 0]
+    else the cross-entropy of the token ``tgt`` (:func:`logit_terms`).  ``with_max``: also the
+    row maxima (:func:`logsumexp_max`, for :func:`top_hit`)."""
+    lse, m = logsumexp_max(x)
+    lse = lse[..., 0]
     if soft is not None:
         p, plogp, psum = soft
-        return plogp - (p * x).sum(-1) + lse * psum
-    return lse - mx.take_along_axis(x, tgt[..., None], axis=-1)[..., 0]
+        per = plogp - (p * x).sum(-1) + lse * psum
+    else:
+        per = lse - mx.take_along_axis(x, tgt[..., None], axis=-1)[..., 0]
+    return (per, m) if with_max else per
 
 
 def step_weights(kind: str, n: int, decay: float = 0.8, acc: list[float] | None = None) -> np.ndarray:

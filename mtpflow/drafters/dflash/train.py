@@ -32,7 +32,7 @@ import numpy as np
 
 from ...targets.base import rope_at
 from ...train.kind import TappedTrainer
-from ...train.objective import log_softmax, logit_loss, soft_labels
+from ...train.objective import log_softmax, logit_loss, soft_labels, top_hit
 from ...train.target import TargetStates
 from .config import parse
 from .model import DFlashModel
@@ -119,7 +119,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
     lab = log_softmax(lab)
     tgt = mx.argmax(lab, axis=-1)
-    per = logit_loss(logits, tgt, soft_labels(lab) if targets == "soft" else None)  # from the logits (logit_terms)
+    per, m = logit_loss(logits, tgt, soft_labels(lab) if targets == "soft" else None, with_max=True)  # (logit_terms)
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
     if weighting == "dpace":
         w = dpace_weights(per, vf, alpha)
@@ -127,7 +127,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
         w = (decay ** mx.arange(Bs1, dtype=mx.float32))[None, None]
     n = mx.stop_gradient(vf.sum(axis=(0, 1)))
     sums = (per * vf * w).sum(axis=(0, 1))
-    correct = mx.stop_gradient(((mx.argmax(logits, axis=-1) == tgt) & valid).sum(axis=(0, 1)).astype(mx.float32))
+    correct = mx.stop_gradient((top_hit(logits, tgt, m) & valid).sum(axis=(0, 1)).astype(mx.float32))
     return sums, correct, n
 
 

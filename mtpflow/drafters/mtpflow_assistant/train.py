@@ -43,7 +43,7 @@ from ...targets.base import SLIDING
 from ...train import data as data_mod
 from ...train.features import FeatureExample
 from ...train.kind import KindTrainer, add_data_summaries
-from ...train.objective import choose_draft_vocab, log_softmax, logit_loss, shift, soft_labels, weighted_loss
+from ...train.objective import choose_draft_vocab, log_softmax, logit_loss, shift, soft_labels, top_hit, weighted_loss
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -228,20 +228,20 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
         valid = (tpos + 2 + i < lengths[:, None]) & shift(loss_mask, 2 + i)
         vf = valid.astype(mx.float32)
         tgt_tok = shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
+        safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
+        lab = safe if sub is None else tp["inv"][safe]  # its index in the head's vocabulary (-1: not in it)
+        idx = mx.maximum(lab, 0)
         if soft is not None:  # KL to the target's distribution of x_{t+2+i}, over the head's vocabulary
-            per = logit_loss(x, None, tuple(shift(a, 1 + i) for a in soft))
+            per, m = logit_loss(x, None, tuple(shift(a, 1 + i) for a in soft), with_max=True)
         else:
-            safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
-            lab = safe if sub is None else tp["inv"][safe]
             if sub is not None:
                 valid = valid & (lab >= 0)
                 vf = valid.astype(mx.float32)
-                lab = mx.maximum(lab, 0)
-            per = logit_loss(x, lab)
-        pred = mx.argmax(x, axis=-1)
+            per, m = logit_loss(x, idx, with_max=True)
+        hit = top_hit(x, idx, m)  # the drafter's argmax is the target's greedy token
         if sub is not None:
-            pred = sub[pred]
-        hit = (pred == tgt_tok).astype(mx.float32)
+            hit = hit & (lab >= 0)
+        hit = hit.astype(mx.float32)
         sums.append((per * vf).sum())
         correct.append(mx.stop_gradient((hit * vf).sum()))
         counts.append(mx.stop_gradient(vf.sum()))
