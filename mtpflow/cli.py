@@ -343,6 +343,11 @@ def cmd_plugins(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .backend import blas as _blas
 
+    if argv is None and [a for a in sys.argv[1:] if not a.startswith("-")][:1] == ["train"]:
+        # the command line's training run: before MLX starts its threads (mtpflow.backend.heap)
+        from .backend.heap import retain_freed_memory
+
+        retain_freed_memory()
     r = _blas.ensure_fast_blas()  # before anything imports mlx
     if r.get("status") == "mlx_already_imported" and argv is None:
         _blas.reexec_with_preload()

@@ -167,6 +167,8 @@ def report(rows: dict, turns: int) -> None:
 
 if __name__ == "__main__":
     from mtpflow._blas import ensure_fast_blas
+    from mtpflow.backend.heap import retain_freed_memory
 
+    retain_freed_memory()  # as `mtpflow train` does (MTPFLOW_HEAP=system: glibc's own heap)
     ensure_fast_blas()
     sys.exit(main())

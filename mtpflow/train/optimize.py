@@ -357,6 +357,7 @@ class _Loop:
 
     def result(self):
         """What :func:`optimize` returns (see there)."""
+        from ..backend.heap import status as heap_status
         from .flops import matmul_rate
         from .memory import peak
 
@@ -367,4 +368,5 @@ class _Loop:
             self.flops.rate = matmul_rate()  # measured after the run when no progress bar needed it before
         speed["flops"] = self.flops.summary()
         speed["lanes"] = self.lanes.n if self.lanes is not None else 1
+        speed["heap"] = heap_status()  # freed memory kept for reuse (mtpflow.backend.heap) or glibc's own
         return self.step, self.acc_ema, self.tokens_seen, self.last, self.elapsed_prev + time.time() - self.t0, speed
