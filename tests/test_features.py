@@ -386,3 +386,39 @@ def test_the_mtp_kind_from_the_cache_trains_as_from_the_target(shared_cache, tmp
     train(E3_TARGET, opts, "selfgen:16:40", tmp_path / "t", **_kind_settings("mtp", folder, steps=2))
     c, t = ([json.loads(x)["loss"] for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ct")
     assert np.allclose(c, t, rtol=1e-2), (c, t)
+
+
+@pytest.mark.parametrize("targets", ["soft", "hard"])
+def test_the_step_terms_equal_a_plain_shifted_reference(target, feats, targets):
+    """``drafter_loss_terms`` reads each step's labels as views ``1 + i`` positions on; written out
+    here with plain ops over whole shifted rows: step ``i``'s logits at ``t`` against the target's
+    distribution (or greedy token) of ``x_{t+2+i}``, where ``t + 2 + i`` is a loss position."""
+    from mtpflow.drafters.mtpflow_assistant.train import drafter_loss_terms, unrolled_logits
+    from mtpflow.train.objective import shift
+
+    cfg = resolve_drafter_config(target, DRAFTER)
+    mx.random.seed(1)
+    model = GenericAssistantModel(cfg, target)
+    mx.eval(model.parameters())
+    tp, (tk, lm, ln) = feature_batch(feats, [0, 1, 2, 3], target, model)
+    got = drafter_loss_terms(model, tp, tk, lm, ln, 3, targets)
+    B, T = tk.shape
+    lab = tp["label_logits"].astype(mx.float32)
+    lab = lab - mx.logsumexp(lab, axis=-1, keepdims=True)
+    want = [], [], []
+    for i, x in enumerate(unrolled_logits(model, tp, T, 3)):
+        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        valid = (mx.arange(T)[None] + 2 + i < ln[:, None]) & shift(lm, 2 + i)
+        tgt = shift(tp["argmax"], 1 + i)
+        if targets == "soft":
+            q = shift(lab, 1 + i)
+            per = (mx.exp(q) * (q - logp)).sum(-1)
+        else:
+            per = -mx.take_along_axis(logp, mx.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+        vf = valid.astype(mx.float32)
+        want[0].append((per * vf).sum())
+        want[1].append(((mx.argmax(x, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+        want[2].append(vf.sum())
+    for g, w in zip(got, want):
+        assert np.allclose(np.array(g), np.array(mx.stack(w)), rtol=1e-4, atol=1e-4), (g, w)
+    assert float(got[2].min()) > 0 and float(got[1].sum()) >= 0

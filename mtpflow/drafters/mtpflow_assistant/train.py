@@ -206,6 +206,11 @@ def unrolled_logits(model: GenericAssistantModel, tp: dict, T: int, unroll: int)
         yield model.head_logits(z).astype(mx.float32)
 
 
+def _ahead(a: mx.array, k: int, n: int) -> mx.array:
+    """``shift(a, k)[:, :n]`` as a view of ``a`` where it can be (``n <= T - k``), else copied."""
+    return a[:, k:k + n] if k + n <= a.shape[1] else shift(a, k)[:, :n]
+
+
 def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, unroll: int, targets: str):
     """The unnormalised terms of the objective over ``unroll`` steps:
     ``(per_step_loss_sum [S], per_step_correct [S], per_step_count [S])``
@@ -225,14 +230,18 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
     sub = model.draft_vocab if model.has_draft_vocab else None
     sums, correct, counts = [], [], []
     for i, x in enumerate(unrolled_logits(model, tp, T, unroll)):
-        valid = (tpos + 2 + i < lengths[:, None]) & shift(loss_mask, 2 + i)
+        # the terms of step i sit at the first T - 1 - i positions (a later one has no label): the
+        # logits and the labels are read there as views, the labels 1 + i positions on, not copied shifted
+        n = max(T - 1 - i, 1)
+        x = x[:, :n]
+        valid = ((tpos + 2 + i < lengths[:, None]) & shift(loss_mask, 2 + i))[:, :n]
         vf = valid.astype(mx.float32)
-        tgt_tok = shift(tp["argmax"], 1 + i)  # the target's greedy x_{t+2+i}
+        tgt_tok = shift(tp["argmax"], 1 + i)[:, :n]  # the target's greedy x_{t+2+i}
         safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
         lab = safe if sub is None else tp["inv"][safe]  # its index in the head's vocabulary (-1: not in it)
         idx = mx.maximum(lab, 0)
         if soft is not None:  # KL to the target's distribution of x_{t+2+i}, over the head's vocabulary
-            per, m = logit_loss(x, None, tuple(shift(a, 1 + i) for a in soft), with_max=True)
+            per, m = logit_loss(x, None, tuple(_ahead(a, 1 + i, n) for a in soft), with_max=True)
         else:
             if sub is not None:
                 valid = valid & (lab >= 0)
