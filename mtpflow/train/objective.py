@@ -63,6 +63,14 @@ def shift(a: mx.array, k: int) -> mx.array:
     return mx.concatenate([a[:, k:], pad], axis=1)
 
 
+def ahead(a: mx.array, k: int, n: int) -> mx.array:
+    """``shift(a, k)[:, :n]``: the first ``n`` positions of ``a`` read ``k`` on, as a view of ``a``
+    where they lie inside it (``k + n <= T``), else copied (zero past the end).  An unrolled step
+    whose terms sit at its first ``n`` rows reads its labels so, instead of copying the
+    vocabulary-wide labels shifted."""
+    return a[:, k:k + n] if k + n <= a.shape[1] else shift(a, k)[:, :n]
+
+
 def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, soft: bool):
     """One step's (or depth's) unnormalised ``(loss_sum, correct, count)``: KL to the
     target's log-distribution ``lab`` (``soft``) or the cross-entropy of the token

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...train.kind import TappedTrainer
-from ...train.objective import choose_draft_vocab, log_softmax, logit_terms, shift, soft_labels, step_weights
+from ...train.objective import ahead, choose_draft_vocab, log_softmax, logit_terms, shift, soft_labels, step_weights
 from ...train.target import TargetStates
 from .config import default_aux_layer_ids
 from .export import new_config, save_speculators
@@ -75,12 +75,14 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
     sums, correct, counts = [], [], []
     rows = mx.broadcast_to(tpos + 1, (B, T))  # row t sits at the position of its token x_{t+1}
     for j, logits in enumerate(ttt_logits(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)):
-        # the target's distribution of x_{t+2+j}, at position t+1+j
-        soft = None if soft_all is None else tuple(shift(a, 1 + j) for a in soft_all)
+        # the target's distribution of x_{t+2+j}, at position t+1+j: terms sit at the first T - 1 - j rows,
+        # whose labels are read as views 1 + j positions on (not copied shifted)
+        n = max(T - 1 - j, 1)
+        soft = None if soft_all is None else tuple(ahead(a, 1 + j, n) for a in soft_all)
         # Speculators' rule (shift_batch + align_for_step): the term counts when the position whose distribution
         # is the label is a loss token of the row -- the last token's distribution (past the row's end) included
-        valid = (tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j)
-        s, c, n = logit_terms(logits.astype(mx.float32), shift(tgt_all, 1 + j), valid, soft)
+        valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
+        s, c, n = logit_terms(logits[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft)
         sums.append(s)
         correct.append(c)
         counts.append(n)

@@ -43,7 +43,8 @@ from ...targets.base import SLIDING
 from ...train import data as data_mod
 from ...train.features import FeatureExample
 from ...train.kind import KindTrainer, add_data_summaries
-from ...train.objective import choose_draft_vocab, log_softmax, logit_loss, shift, soft_labels, top_hit, weighted_loss
+from ...train.objective import (ahead, choose_draft_vocab, log_softmax, logit_loss, shift, soft_labels, top_hit,
+                                weighted_loss)
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -206,11 +207,6 @@ def unrolled_logits(model: GenericAssistantModel, tp: dict, T: int, unroll: int)
         yield model.head_logits(z).astype(mx.float32)
 
 
-def _ahead(a: mx.array, k: int, n: int) -> mx.array:
-    """``shift(a, k)[:, :n]`` as a view of ``a`` where it can be (``n <= T - k``), else copied."""
-    return a[:, k:k + n] if k + n <= a.shape[1] else shift(a, k)[:, :n]
-
-
 def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask, lengths, unroll: int, targets: str):
     """The unnormalised terms of the objective over ``unroll`` steps:
     ``(per_step_loss_sum [S], per_step_correct [S], per_step_count [S])``
@@ -241,7 +237,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
         lab = safe if sub is None else tp["inv"][safe]  # its index in the head's vocabulary (-1: not in it)
         idx = mx.maximum(lab, 0)
         if soft is not None:  # KL to the target's distribution of x_{t+2+i}, over the head's vocabulary
-            per, m = logit_loss(x, None, tuple(_ahead(a, 1 + i, n) for a in soft), with_max=True)
+            per, m = logit_loss(x, None, tuple(ahead(a, 1 + i, n) for a in soft), with_max=True)
         else:
             if sub is not None:
                 valid = valid & (lab >= 0)
