@@ -113,3 +113,18 @@ def test_top_hit_is_the_argmax_hitting_the_index(monkeypatch, power):
     assert mx.allclose(lse, mx.logsumexp(x, axis=-1, keepdims=True), rtol=1e-6).item()
     tied = mx.zeros((1, 5))
     assert obj.top_hit(tied, mx.array([3]), obj.logsumexp_max(tied)[1]).item()
+
+
+@pytest.mark.parametrize("power", [True, False])
+def test_soft_labels_of_logits_equal_those_of_their_log_softmax(monkeypatch, power):
+    """``soft_labels`` normalises its input itself (one exp): from the target's raw logits, shifted
+    logits or their log-distribution it gives ``p``, ``sum p log p`` and ``sum p`` of the softmax,
+    as ``exp`` of the log-softmax gives them."""
+    monkeypatch.setattr(obj, "_power_exp", lambda: power)
+    z = mx.random.normal((3, 5, 401), key=mx.random.key(51)) * 4 + 7
+    lab = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    p = mx.exp(lab)
+    want = (p, (p * lab).sum(-1), p.sum(-1))
+    for inp in (z, z - 30.0, lab):
+        for g, w in zip(obj.soft_labels(inp), want):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=2e-5, atol=2e-6)

@@ -84,12 +84,19 @@ def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, so
     return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
 
 
-def soft_labels(lab: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """``(p, sum p log p, sum p)`` over the last axis of the target's log-distribution ``lab``:
-    what :func:`logit_terms` reads of a soft label.  Computed once per batch, each step or
-    depth then reads them shifted or gathered (one ``exp`` of the labels, not one per step)."""
-    p = exp(lab)
-    return p, (p * lab).sum(-1), p.sum(-1)
+def soft_labels(z: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``(p, sum p log p, sum p)`` over the last axis, ``p = softmax(z)``, of the target's logits or
+    log-distribution ``z`` (the same labels either way): what :func:`logit_terms` reads of a soft
+    label.  One ``exp`` (``p`` is the row's powers over their sum and ``log p = z - max - log sum``),
+    where a ``log_softmax`` first and its ``exp`` after took two.  Computed once per batch, each step
+    or depth then reads them shifted or gathered (not one ``exp`` per step)."""
+    m = mx.max(z, axis=-1, keepdims=True)
+    d = z - mx.where(mx.isinf(m), 0.0, m)
+    e = exp(d)
+    s = e.sum(axis=-1, keepdims=True)
+    p = e / s
+    psum = p.sum(-1)
+    return p, (p * d).sum(-1) - mx.log(s)[..., 0] * psum, psum
 
 
 def logit_terms(x: mx.array, tgt: mx.array, valid: mx.array, soft: tuple | None = None):

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...targets.base import rope_at
 from ...train.kind import TappedTrainer
-from ...train.objective import log_softmax, logit_loss, soft_labels, top_hit
+from ...train.objective import logit_loss, soft_labels, top_hit
 from ...train.target import TargetStates
 from .config import parse
 from .model import DFlashModel
@@ -117,8 +117,7 @@ def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, 
     B, K = anchors.shape
     flat = src.reshape(B, K * Bs1)
     lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
-    lab = log_softmax(lab)
-    tgt = mx.argmax(lab, axis=-1)
+    tgt = mx.argmax(lab, axis=-1)  # (soft_labels normalises the logits itself)
     per, m = logit_loss(logits, tgt, soft_labels(lab) if targets == "soft" else None, with_max=True)  # (logit_terms)
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
     if weighting == "dpace":

@@ -222,7 +222,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
     qpos = tp.get("qpos")
     tpos = mx.arange(T, dtype=mx.int32)[None] if qpos is None else qpos
     # once: each step reads them shifted (KL(target || drafter) from the drafter's logits, logit_terms)
-    soft = soft_labels(log_softmax(tp["label_logits"])) if targets == "soft" else None
+    soft = soft_labels(tp["label_logits"]) if targets == "soft" else None
     sub = model.draft_vocab if model.has_draft_vocab else None
     sums, correct, counts = [], [], []
     for i, x in enumerate(unrolled_logits(model, tp, T, unroll)):

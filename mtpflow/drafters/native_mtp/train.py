@@ -54,7 +54,7 @@ from ...targets.base import TreeRope
 from ...train import data as data_mod
 from ...train import target as frozen
 from ...train.kind import KindTrainer, add_data_summaries, read_options
-from ...train.objective import log_softmax, logit_terms, shift, soft_labels
+from ...train.objective import logit_terms, shift, soft_labels
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -187,14 +187,13 @@ def mtp_loss_terms(head, target, H, labels, toks, seg, pos, lmask, targets: str 
     :func:`mtp_planned_terms`.)"""
     label_at, pairs = loss_plan(np.array(seg), np.array(lmask), head.depth)
     lab = rows_at(labels, label_at)
-    lab = log_softmax(lab) if labels.ndim == 3 else lab
     pairs = [(mx.array(at), mx.array(j)) for at, j in pairs]
     return mtp_planned_terms(head, target, H, lab, toks, seg, pos, pairs, targets)
 
 
 def mtp_planned_terms(head, target, H, labels, toks, seg, pos, pairs, targets: str = "soft"):
     """:func:`mtp_loss_terms` at the slots of :func:`loss_plan`: ``labels`` the
-    target's log-distributions ``[P, V]`` (soft) or argmax ``[P]`` (hard) at
+    target's logits or log-distributions ``[P, V]`` (soft) or argmax ``[P]`` (hard) at
     ``label_at``, ``pairs`` the plan's ``(at, lab)`` per depth as arrays."""
     sums, correct, counts = [], [], []
     soft = labels.ndim == 2
@@ -314,7 +313,8 @@ class MTPTrainer(KindTrainer):
             labels = mx.array(np.maximum(argmax_np.reshape(-1)[src].reshape(-1)[label_at], 0).astype(np.int32))
         else:
             logits = self.target.logits(rows_at(Hp, label_at))
-            labels = _sg(log_softmax(logits) if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
+            # soft: the logits (soft_labels normalises them, one exp); hard: their argmax
+            labels = _sg(logits if self.targets == "soft" else mx.argmax(logits, axis=-1).astype(mx.int32))
         pairs = [(mx.array(at), mx.array(j)) for at, j in pairs]
         return (Hp, labels, toks, mx.array(seg), mx.array(pos), pairs)
 
