@@ -109,7 +109,7 @@ def test_the_cli_says_which_dtype_ran(capsys):
 def test_profiles_choose_each_tuning_per_device(monkeypatch):
     for kind, p in profiles.PROFILES.items():
         assert p.device == kind
-        assert set(p.why) == {*profiles.TUNINGS, "blas_preload", "power_exp", "train_lanes"}, kind  # every value has its reason
+        assert set(p.why) == {*profiles.TUNINGS, "blas_preload", "power_exp", "blas_rowsum", "train_lanes"}, kind  # every value has its reason
     assert profiles.current().device == "cpu"
     assert on_for_device("auto", "fuse_ops") and on_for_device("auto", "submit_layers")
     assert not on_for_device("off", "fuse_ops") and on_for_device("on", "submit_layers")

@@ -128,3 +128,18 @@ def test_soft_labels_of_logits_equal_those_of_their_log_softmax(monkeypatch, pow
     for inp in (z, z - 30.0, lab):
         for g, w in zip(obj.soft_labels(inp), want):
             np.testing.assert_allclose(np.array(g), np.array(w), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("blas", [True, False])
+def test_rowsum_and_its_gradient_equal_the_sum(monkeypatch, blas):
+    """``rowsum`` (a product by ones where the profile says ``blas_rowsum``) gives the row sums and the
+    sum's gradient, on contiguous arrays and on strided views (the unrolled steps' labels)."""
+    monkeypatch.setattr(obj, "_blas_rowsum", lambda: blas)
+    x = mx.random.normal((3, 9, 513), key=mx.random.key(61))
+    for a in (x, x[:, 2:7]):
+        np.testing.assert_allclose(np.array(obj.rowsum(a)), np.array(a.sum(-1)), rtol=1e-5, atol=1e-4)
+        w = mx.random.normal(a.shape[:-1], key=mx.random.key(62))
+        g0 = mx.grad(lambda a: ((mx.exp(a) ** 2).sum(-1) * w).sum())(a)
+        g1 = mx.grad(lambda a: (obj.rowsum(mx.exp(a) ** 2) * w).sum())(a)
+        np.testing.assert_allclose(np.array(g1), np.array(g0), rtol=1e-5, atol=1e-5)
+    assert current().blas_rowsum == (platform.machine().lower() in ("x86_64", "amd64") and current().device == "cpu")

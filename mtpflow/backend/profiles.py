@@ -40,6 +40,8 @@ class Profile:
     bucket_shapes: bool
     #: training losses take ``exp`` as ``mx.power(e, x)`` (and log-softmax from it: :mod:`mtpflow.train.objective`)
     power_exp: bool
+    #: training losses sum a vocabulary-wide float32 row as a BLAS product by ones (:func:`mtpflow.train.objective.rowsum`)
+    blas_rowsum: bool
     #: training lanes per process (:mod:`mtpflow.train.lanes`): 0 = one per CPU core, shared by the ranks
     train_lanes: int
     #: ``{tuning: the measurement or reason}``
@@ -55,6 +57,7 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=False,
         power_exp=_X86_64,
+        blas_rowsum=_X86_64,
         train_lanes=0,
         why={
             "train_lanes": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] runs an "
@@ -65,6 +68,9 @@ PROFILES: dict[str, Profile] = {
                          "~8x a multiply on x86-64 and mx.power(e, x) less than half of it, to 1e-6; a "
                          "soft-label KL over an 8192-token head, forward and backward, 1.5x faster; not measured "
                          "on ARM CPUs, which keep mx.exp",
+            "blas_rowsum": "measured (docs/training.md 'Throughput against the limit'): mlx[cpu] 0.32.4 sums a "
+                           "[1024, 8192] float32 array's rows in 11.4 ms on one thread, OpenBLAS's product by a "
+                           "vector of ones in 1.9 ms (3.3 on one thread); not measured on ARM CPUs",
             "bucket_shapes": "measured (docs/benchmarks.md 'Chains and trees'): a CPU verify's cost grows with its tokens "
                              "(and not monotonically), so padding costs compute; MLX's CPU kernels are not "
                              "compiled per shape",
@@ -86,10 +92,12 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=True,
         power_exp=False,
+        blas_rowsum=False,
         train_lanes=1,
         why={
             "train_lanes": "one GPU stream: a step's kernels already fill the device",
             "power_exp": "exp is one GPU kernel like power; not measured on Metal",
+            "blas_rowsum": "a GPU's sum reduction is one kernel; not measured on Metal",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
                              "48-token run took ~25 s); not measured on Metal",
@@ -109,10 +117,12 @@ PROFILES: dict[str, Profile] = {
         compile_elementwise=True,
         bucket_shapes=True,
         power_exp=False,
+        blas_rowsum=False,
         train_lanes=1,
         why={
             "train_lanes": "one GPU stream: a step's kernels already fill the device",
             "power_exp": "exp is one GPU kernel like power; not measured on CUDA",
+            "blas_rowsum": "a GPU's sum reduction is one kernel; not measured on CUDA",
             "bucket_shapes": "measured on an H200 (CUDA): a verify of 2..64 tokens cost 1.7-2.4x a 1-token "
                              "step, flat from 2 to 64, while each new shape JIT-compiled kernels (a cold "
                              "48-token run took ~25 s)",

@@ -23,6 +23,44 @@ def exp(x: mx.array) -> mx.array:
     return mx.power(math.e, x) if _power_exp() else mx.exp(x)
 
 
+def _blas_rowsum() -> bool:
+    from ..backend.profiles import current
+
+    return current().blas_rowsum
+
+
+_ONES: dict = {}
+
+
+def _ones(n: int) -> mx.array:
+    """A float32 vector of ``n`` ones from host data (no graph: threads and streams may share it)."""
+    v = _ONES.get(n)
+    if v is None:
+        v = _ONES[n] = mx.array(np.ones(n, np.float32))
+    return v
+
+
+@mx.custom_function
+def _rowsum_blas(a):
+    return a @ _ones(a.shape[-1])
+
+
+@_rowsum_blas.vjp
+def _rowsum_blas_vjp(primals, cotangent, output):
+    a = primals[0] if isinstance(primals, (tuple, list)) else primals
+    return (mx.broadcast_to(mx.expand_dims(cotangent, -1), a.shape),)
+
+
+def rowsum(a: mx.array) -> mx.array:
+    """``a.sum(-1)``; on a device whose profile says ``blas_rowsum`` (an x86-64 CPU), a float32
+    ``a`` is summed as the BLAS product ``a @ ones`` (mlx[cpu]'s sum reduction runs on one thread
+    at ~6x the time of OpenBLAS's matrix-vector product over a ``[1024, 8192]`` array), with the
+    sum's own gradient (the cotangent broadcast, no product)."""
+    if a.dtype == mx.float32 and a.ndim >= 2 and _blas_rowsum():
+        return _rowsum_blas(a)
+    return a.sum(-1)
+
+
 def logsumexp(x: mx.array) -> mx.array:
     """``log(sum(exp(x)))`` over the last axis, kept; with :func:`exp` (its
     gradient, the softmax, reuses the forward's ``exp``)."""
@@ -37,7 +75,7 @@ def logsumexp_max(x: mx.array) -> tuple[mx.array, mx.array]:
     if not _power_exp():
         return mx.logsumexp(x, axis=-1, keepdims=True), m
     c = mx.where(mx.isinf(m), 0.0, m)  # a row of -inf: log(0) = -inf, as mx.logsumexp
-    return c + mx.log(exp(x - c).sum(axis=-1, keepdims=True)), m
+    return c + mx.log(rowsum(exp(x - c)))[..., None], m
 
 
 def top_hit(x: mx.array, idx: mx.array, m: mx.array) -> mx.array:
@@ -93,10 +131,10 @@ def soft_labels(z: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     m = mx.max(z, axis=-1, keepdims=True)
     d = z - mx.where(mx.isinf(m), 0.0, m)
     e = exp(d)
-    s = e.sum(axis=-1, keepdims=True)
+    s = rowsum(e)[..., None]
     p = e / s
-    psum = p.sum(-1)
-    return p, (p * d).sum(-1) - mx.log(s)[..., 0] * psum, psum
+    psum = rowsum(p)
+    return p, rowsum(p * d) - mx.log(s)[..., 0] * psum, psum
 
 
 def logit_terms(x: mx.array, tgt: mx.array, valid: mx.array, soft: tuple | None = None):
@@ -121,7 +159,7 @@ def logit_loss(x: mx.array, tgt: mx.array | None, soft: tuple | None = None, wit
     lse = lse[..., 0]
     if soft is not None:
         p, plogp, psum = soft
-        per = plogp - (p * x).sum(-1) + lse * psum
+        per = plogp - rowsum(p * x) + lse * psum
     else:
         per = lse - mx.take_along_axis(x, tgt[..., None], axis=-1)[..., 0]
     return (per, m) if with_max else per
