@@ -389,36 +389,44 @@ def test_the_mtp_kind_from_the_cache_trains_as_from_the_target(shared_cache, tmp
 
 
 @pytest.mark.parametrize("targets", ["soft", "hard"])
-def test_the_step_terms_equal_a_plain_shifted_reference(target, feats, targets):
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_the_step_terms_equal_a_plain_shifted_reference(target, feats, targets, vocab):
     """``drafter_loss_terms`` reads each step's labels as views ``1 + i`` positions on; written out
     here with plain ops over whole shifted rows: step ``i``'s logits at ``t`` against the target's
-    distribution (or greedy token) of ``x_{t+2+i}``, where ``t + 2 + i`` is a loss position."""
-    from mtpflow.drafters.mtpflow_assistant.train import drafter_loss_terms, unrolled_logits
+    distribution (or greedy token) of ``x_{t+2+i}``, where ``t + 2 + i`` is a loss position, over
+    the full vocabulary or a draft vocabulary (hard terms only where the token is in it)."""
+    from mtpflow.drafters.mtpflow_assistant.train import drafter_loss_terms, identity_init, unrolled_logits
     from mtpflow.train.objective import shift
 
-    cfg = resolve_drafter_config(target, DRAFTER)
+    cfg = resolve_drafter_config(target, {**DRAFTER, **({"draft_vocab_size": vocab} if vocab else {})})
     mx.random.seed(1)
     model = GenericAssistantModel(cfg, target)
+    identity_init(model)  # a drafter that hits: the accuracy counts are compared on hits, not zeros
     mx.eval(model.parameters())
     tp, (tk, lm, ln) = feature_batch(feats, [0, 1, 2, 3], target, model)
     got = drafter_loss_terms(model, tp, tk, lm, ln, 3, targets)
     B, T = tk.shape
     lab = tp["label_logits"].astype(mx.float32)
     lab = lab - mx.logsumexp(lab, axis=-1, keepdims=True)
+    sub = model.draft_vocab if vocab else None
     want = [], [], []
     for i, x in enumerate(unrolled_logits(model, tp, T, 3)):
         logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
         valid = (mx.arange(T)[None] + 2 + i < ln[:, None]) & shift(lm, 2 + i)
         tgt = shift(tp["argmax"], 1 + i)
+        pred = mx.argmax(x, axis=-1) if sub is None else sub[mx.argmax(x, axis=-1)]
         if targets == "soft":
             q = shift(lab, 1 + i)
             per = (mx.exp(q) * (q - logp)).sum(-1)
         else:
-            per = -mx.take_along_axis(logp, mx.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+            idx = mx.maximum(tgt, 0) if sub is None else tp["inv"][mx.maximum(tgt, 0)]
+            if sub is not None:
+                valid = valid & (idx >= 0)
+            per = -mx.take_along_axis(logp, mx.maximum(idx, 0)[..., None], axis=-1)[..., 0]
         vf = valid.astype(mx.float32)
         want[0].append((per * vf).sum())
-        want[1].append(((mx.argmax(x, axis=-1) == tgt) & valid).sum().astype(mx.float32))
+        want[1].append(((pred == tgt) & valid).sum().astype(mx.float32))
         want[2].append(vf.sum())
     for g, w in zip(got, want):
         assert np.allclose(np.array(g), np.array(mx.stack(w)), rtol=1e-4, atol=1e-4), (g, w)
-    assert float(got[2].min()) > 0 and float(got[1].sum()) >= 0
+    assert float(got[2].min()) > 0 and float(got[1].sum()) > 0  # terms at every step, and hits

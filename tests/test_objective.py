@@ -143,3 +143,13 @@ def test_rowsum_and_its_gradient_equal_the_sum(monkeypatch, blas):
         g1 = mx.grad(lambda a: (obj.rowsum(mx.exp(a) ** 2) * w).sum())(a)
         np.testing.assert_allclose(np.array(g1), np.array(g0), rtol=1e-5, atol=1e-5)
     assert current().blas_rowsum == (platform.machine().lower() in ("x86_64", "amd64") and current().device == "cpu")
+
+
+def test_ahead_is_the_shifted_rows():
+    """``ahead(a, k, n)`` is ``shift(a, k)[:, :n]`` for every offset and length (past the end: zeros)."""
+    a = mx.random.normal((2, 5, 3), key=mx.random.key(71))
+    for k in range(8):
+        for n in range(1, 6):
+            got = obj.ahead(a, k, n)
+            assert got.shape == (2, n, 3)
+            assert mx.array_equal(got, obj.shift(a, k)[:, :n]).item(), (k, n)

@@ -43,9 +43,9 @@ _STATE: dict = {"status": "not set"}
 def retain_freed_memory(trim_bytes: int = 1 << 30) -> dict:
     """Set glibc's heap to keep freed memory for reuse (see the module's text); returns
     :func:`status`.  Does nothing off Linux and glibc, or with ``MTPFLOW_HEAP=system``;
-    a second call changes nothing."""
+    only the first call in a process acts."""
     global _STATE
-    if _STATE.get("status") == "kept":
+    if _STATE.get("status") != "not set":  # once per process: later, MLX's threads have arenas of their own
         return dict(_STATE)
     env = os.environ.get(ENV_HEAP, "").strip().lower()
     if env in ("system", "off", "0", "none", "default"):
