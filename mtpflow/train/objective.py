@@ -119,11 +119,7 @@ def ahead(a: mx.array, k: int, n: int) -> mx.array:
     where they lie inside it (``k + n <= T``), else copied (zero past the end).  An unrolled step
     whose terms sit at its first ``n`` rows reads its labels so, instead of copying the
     vocabulary-wide labels shifted."""
-    T = a.shape[1]
-    if k + n <= T:
-        return a[:, k:k + n]
-    pad = mx.zeros((a.shape[0], n - max(T - k, 0), *a.shape[2:]), a.dtype)
-    return mx.concatenate([a[:, k:], pad], axis=1) if k < T else pad
+    return a[:, k:k + n] if k + n <= a.shape[1] else shift(a, k)[:, :n]
 
 
 def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, soft: bool):

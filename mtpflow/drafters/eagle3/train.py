@@ -81,7 +81,7 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
         # Speculators' rule (shift_batch + align_for_step): the term counts when the position whose distribution
         # is the label is a loss token of the row -- the last token's distribution (past the row's end) included
         valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
-        s, c, cnt = logit_terms(logits[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft)
+        s, c, cnt = logit_terms(logits[:, :n].astype(mx.float32), ahead(tgt_all, 1 + j, n), valid, soft)
         sums.append(s)
         correct.append(c)
         counts.append(cnt)

@@ -232,7 +232,7 @@ def drafter_loss_terms(model: GenericAssistantModel, tp: dict, tokens, loss_mask
         x = x[:, :n]
         valid = ((tpos + 2 + i < lengths[:, None]) & shift(loss_mask, 2 + i))[:, :n]
         vf = valid.astype(mx.float32)
-        tgt_tok = shift(tp["argmax"], 1 + i)[:, :n]  # the target's greedy x_{t+2+i}
+        tgt_tok = ahead(tp["argmax"], 1 + i, n)  # the target's greedy x_{t+2+i}
         safe = mx.maximum(tgt_tok, 0)  # -1: no greedy label there (never a valid term)
         lab = safe if sub is None else tp["inv"][safe]  # its index in the head's vocabulary (-1: not in it)
         idx = mx.maximum(lab, 0)
