@@ -348,9 +348,10 @@ class TreeSampler(Protocol):
 
 @runtime_checkable
 class LookaheadSafe(Protocol):
-    """A sampler, or a plugin implementing a verify/accept/advance stage, that
-    copes with the next round's verify and accept arriving before this
-    round's advance and emit (the null path's lookahead; absent: never)."""
+    """A sampler, a drafter, or a plugin implementing a verify/accept/advance
+    stage, that copes with the next round's draft, verify and accept arriving
+    before this round's advance and emit, on this round's lazy outcome (the
+    lookahead; absent: never)."""
 
     def lookahead_safe(self, state: BatchState) -> bool: ...
 

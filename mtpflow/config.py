@@ -159,8 +159,8 @@ class TraceConfig:
     #: write one JSON line per round here
     file: str | None = None
     #: synchronise after drafting to split draft / verify time exactly (2 syncs
-    #: per round); also turns off the null path's lookahead, whose overlapped
-    #: rounds have no separate verify time
+    #: per round); also turns off the lookahead, whose overlapped rounds have
+    #: no separate draft and verify time
     sync_timing: bool = False
 
 

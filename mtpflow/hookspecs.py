@@ -174,11 +174,11 @@ def mtpflow_advance(
     last token, hidden state and position, truncates at EOS / ``max_tokens``
     and marks finished rows.
 
-    When ``state.lookahead`` is set (a round that drafted nothing built the
-    next one before its sync, see :class:`mtpflow.state.Lookahead`), the cache
-    already holds the next verify's slot: an implementation leaves the cache
-    alone (no rollback, no compaction) and the round protocol settles it if a
-    row finished.
+    When ``state.lookahead`` is set (the round built the next one before its
+    sync, see :class:`mtpflow.state.Lookahead`), the cache already holds the
+    next verify's slots (after a drafting round, rolled back lazily): an
+    implementation leaves the cache alone (no rollback, no compaction) and the
+    round protocol settles it if a row finished.
 
     :param session: the generation session.
     :param state: the live :class:`mtpflow.state.BatchState` (mutated).

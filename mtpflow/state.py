@@ -267,8 +267,8 @@ class BatchState:
     fwd_tokens: Any = array_field(default=None)
     fwd_positions: Any = array_field(default=None)
     taps: dict = array_field(factory=dict)
-    #: the next round's verify, built before this round's sync so that its
-    #: graph building overlaps this round's compute (the null path only, see
+    #: the next round (its draft, verify and accept), built before this round's
+    #: sync so that its graph building overlaps this round's compute (see
     #: :class:`Lookahead`); ``None`` when none is pending
     lookahead: Any = array_field(default=None)
 
@@ -277,14 +277,15 @@ class BatchState:
         return len(self.rows)
 
     def settle(self) -> None:
-        """Drop a pending :attr:`lookahead`: its slot leaves every cache, which
-        then holds exactly the rows' accepted positions again.  Called before
-        anything but the next null round touches the cache."""
+        """Drop a pending :attr:`lookahead`: its slots leave every cache, which
+        then holds exactly the rows' accepted positions again (a drafting
+        round's rejected slots stay as holes).  Called before anything but the
+        round built ahead touches the cache."""
         la, self.lookahead = self.lookahead, None
         if la is None:
             return
         for c in self.cache:
-            c.trim(1)
+            c.trim(la.slots)
             c.offset = self.positions
 
     def select(self, keep: list[int]) -> None:
@@ -322,11 +323,12 @@ class BatchState:
 
 @frozen
 class Lookahead:
-    """A null round's verify of the next round, built before this round's sync
+    """The next round's draft and verify, built before this round's sync
     (mlx-lm's ``generate_step`` overlaps the same way): its inputs are this
-    round's lazy tokens, its K/V already sit in the cache one slot past the
-    accepted positions.  The next round adopts it when it drafts nothing and
-    the rows are the same; otherwise :meth:`BatchState.settle` drops it."""
+    round's lazy tokens, hidden states and positions, and its K/V already sit
+    in the cache, ``slots`` slots past this round's.  The next round adopts it
+    when it drafts as many tokens (``draft``; ``None``: none) for the same
+    rows; otherwise :meth:`BatchState.settle` drops it."""
 
     rows: tuple  # the row objects it was built for
     verify: Any = array_field()
@@ -336,6 +338,14 @@ class Lookahead:
     #: instead of building them again
     last_tokens: Any = array_field(default=None)
     positions: Any = array_field(default=None)
+    #: the next round's :class:`DraftBlock` (``None``: a null round)
+    draft: Any = array_field(default=None)
+    #: the cache slots its verify appended (its drafts + 1)
+    slots: int = 1
+
+    @property
+    def n_draft(self) -> int:
+        return 0 if self.draft is None else self.draft.n_draft
 
 
 @frozen(kw_only=True)
@@ -359,15 +369,15 @@ class RoundRecord:
     #: the stop token that ended the row (produced, not emitted); ``None`` =
     #: same as ``emitted``.  τ counts these (see :mod:`mtpflow.metrics`).
     produced: list[int] | None = None
-    #: the round's verify was built during the previous round's compute (the
-    #: null path's lookahead, see :class:`Lookahead`)
+    #: the round's draft and verify were built during the previous round's
+    #: compute (the lookahead, see :class:`Lookahead`)
     overlapped: bool = False
     #: the round built the next round's verify and started it before its own
     #: sync; its ``verify_s`` includes the time the host waited to submit that
     #: graph (on a CPU device, which keeps only a few operations in flight, most
     #: of the next forward).  The next round, when it adopts that verify
-    #: (``overlapped``), reads that much less; when it does not (it drafts, or
-    #: rows finished), that forward was computed for nothing.
+    #: (``overlapped``), reads that much less; when it does not (it drafts
+    #: another block, or rows finished), that forward was computed for nothing.
     built_ahead: bool = False
 
     @property

@@ -328,3 +328,19 @@ def test_adaptive_policy_keeps_to_the_best_size_in_a_measured_cpu_world():
             pol.observe(_record(i, k, draft[k] / 1e3, (verify[k] + noise) / 1e3, accepted=a))
         shares.append(tokens / ms / best)
     assert sum(shares) / len(shares) >= 0.97, shares
+
+
+def test_adaptive_policy_measures_a_run_of_drafting_rounds_as_their_block_size():
+    """Drafting rounds build the next one of the same block ahead too: such a run is measured as
+    its average, for its own block size, and leaves the null path's cost alone."""
+    cfg = load_config(overrides={"draft": {"block_size": 2, "max_block_size": 4, "policy": "adaptive"}})
+    pol = AdaptiveBlockPolicy(cfg)
+    pol.observe(_record(0, 1, 0.0, 0.066))
+    R = 0.078
+    reads = [1.7 * R, R, R, 0.3 * R]
+    for i, v in enumerate(reads):
+        pol.observe(_record(1 + i, 2, 0.0, v, accepted=1, overlapped=i > 0, built_ahead=i < len(reads) - 1))
+    assert pol.cost(2) == pytest.approx(R)
+    assert pol.cost(1) == pytest.approx(0.066)
+    assert pol.reached[0] == len(reads) and pol.accepted[0] == len(reads)
+

@@ -67,12 +67,13 @@ class AdaptiveBlockPolicy:
       ``cost_window`` rounds of that size.  A size's drafting is measured
       with it: a draft step's cost depends on the block (on a 2-core CPU the
       second step of a block measured about twice the first), so a cost per
-      step read from short blocks would underestimate long ones.  Null rounds
+      step read from short blocks would underestimate long ones.  Rounds
       that build the next one (``record.built_ahead``) or were built by the
       one before (``record.overlapped``) shift time between rounds: on a CPU
       the round that builds the next one waits for both forwards, the last of
-      the run for almost nothing.  Such a run is measured as one sample, its
-      average, when its last round arrives (a slow round inside it raises that
+      the run for almost nothing.  Such a run (of one block size: a round
+      builds only the next one of its own size) is measured as one sample of
+      that size, its average, when its last round arrives (a slow round inside it raises that
       sample only); a run whose last look-ahead was dropped (the next round
       drafts, or rows finished) is measured as it stands when the next round
       arrives.
@@ -112,7 +113,8 @@ class AdaptiveBlockPolicy:
         self.accepted = [0] * self.max_k
         self.round_s: dict[int, float] = {}  # block size -> estimated seconds of a round
         self._recent: dict[int, deque] = {}
-        self._run: list[float] = []  # the null rounds of the current look-ahead run, seconds each
+        self._run: list[float] = []  # the rounds of the current look-ahead run, seconds each
+        self._run_k = 1  # their block size
         self.seen: dict[int, int] = {}
         self.rounds = 0
         self._flip = 1
@@ -234,7 +236,7 @@ class AdaptiveBlockPolicy:
             self.round_s[k] = min(recent)
 
     def _end_run(self) -> None:
-        self._measure(1, sum(self._run) / len(self._run))
+        self._measure(self._run_k, sum(self._run) / len(self._run))
         self._run = []
 
     def observe(self, record) -> None:
@@ -245,6 +247,7 @@ class AdaptiveBlockPolicy:
             self._end_run()
         in_run = record.overlapped or record.built_ahead  # a look-ahead run, measured as a whole
         if in_run:
+            self._run_k = record.block_size  # a run is of one block size (the round built is the one before)
             self._run.append(v)
             if not record.built_ahead:  # its last round
                 self._end_run()

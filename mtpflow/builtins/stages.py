@@ -288,6 +288,32 @@ def _next_round_null(session, state, remaining: int) -> bool:
     return has(session.block_policy, PeekingBlockPolicy) and session.block_policy.peek(session.stats) == 1
 
 
+def _next_round_same_chain(session, state, n_draft: int) -> bool:
+    """Whether this drafting round may build the next one, a chain of as many
+    drafts, before its sync: whatever this round accepts, every row goes on
+    and the next block fits its budget; the block policy expects the same
+    block; the drafter, the sampler and the stage plugins read nothing the
+    host learns only at the sync; and every cache rolls back lazily."""
+    drafter = session.drafter
+    if n_draft == 0 or session.config.trace.sync_timing or session.tap_layers or session.drafter_commit is not None:
+        return False
+    if not has(drafter, LookaheadSafe) or not drafter.lookahead_safe(state):
+        return False
+    if not has(session.block_policy, PeekingBlockPolicy) or session.block_policy.peek(session.stats) != n_draft + 1:
+        return False
+    if any(r.finished or not r.request.speculative or r.request.max_tokens - len(r.generated) < 2 * n_draft + 2
+           for r in state.rows):
+        return False
+    if not all(getattr(c, "lazy_rollback", False) for c in state.cache):
+        return False
+    due = getattr(session.target, "compact_due", None)
+    if due is None or due(state.cache, max(r.position for r in state.rows)):
+        return False  # the next advance compacts the cache (this round's leaves it alone)
+    if not has(session.sampler, LookaheadSafe) or not session.sampler.lookahead_safe(state):
+        return False
+    return _hooks_allow_lookahead(session, state)
+
+
 def _drafts_to_budget(drafter) -> bool:
     return has(drafter, BudgetDrafter) and bool(drafter.drafts_to_budget)
 
@@ -347,6 +373,36 @@ def _lookahead(session, state, draft, acc) -> None:
     mx.async_eval(accepted.counts, accepted.tokens, verify.hidden)
 
 
+def _lookahead_chain(session, state, draft, verify, acc) -> None:
+    """Build the next drafting round (as many drafts as this one) on this
+    round's lazy outcome and start it: its draft and verify graphs are built
+    while this round computes.  The cache is rolled back lazily (the rejected
+    slots become holes, every row's offset the lazy next position), then the
+    next round's draft reads the accepted context and its verify appends its
+    slots after this round's."""
+    hook = session.hook
+    k = draft.n_draft
+    counts = acc.counts
+    keep = counts + 1
+    nxt_pos = state.positions + keep
+    for c in state.cache:
+        c.rollback(k + 1, keep, nxt_pos, 0, True)
+    nxt_last = mx.take_along_axis(acc.tokens, counts[:, None], axis=1)[:, 0]
+    nxt_hidden = mx.take_along_axis(verify.hidden, counts[:, None, None], axis=1)[:, 0]
+    saved = state.last_tokens, state.positions, state.hidden
+    state.last_tokens, state.positions, state.hidden = nxt_last, nxt_pos, nxt_hidden
+    try:
+        shared = hook.mtpflow_bind_shared_kv(session=session, state=state)
+        nxt = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=k + 1, tree=None)
+        nverify = hook.mtpflow_verify(session=session, state=state, draft=nxt)
+        accepted = hook.mtpflow_accept(session=session, state=state, draft=nxt, verify=nverify)
+    finally:
+        state.last_tokens, state.positions, state.hidden = saved
+    state.lookahead = Lookahead(rows=tuple(state.rows), verify=nverify, accepted=accepted, last_tokens=nxt_last,
+                                positions=nxt_pos, draft=nxt, slots=nxt.n_draft + 1)
+    mx.async_eval(accepted.counts, accepted.tokens, nverify.hidden)
+
+
 _null_drafts: dict = {}
 
 
@@ -376,9 +432,12 @@ def mtpflow_round_protocol(session, state):
     n_draft = (tree.nodes if tree is not None else max(0, min(block - 1, budget))) if drafting else 0
     B = state.size
     ahead = state.lookahead
-    if ahead is not None and (n_draft > 0 or len(ahead.rows) != B or any(a is not b for a, b in zip(ahead.rows, state.rows))):
+    if ahead is not None and (tree is not None or n_draft != ahead.n_draft or len(ahead.rows) != B
+                              or any(a is not b for a, b in zip(ahead.rows, state.rows))):
         state.settle()  # the round built ahead is not this one
-    if n_draft > 0:
+    if state.lookahead is not None and n_draft > 0:
+        draft = state.lookahead.draft  # drafted by the previous round, already computing
+    elif n_draft > 0:
         shared = hook.mtpflow_bind_shared_kv(session=session, state=state)
         draft = hook.mtpflow_draft_block(session=session, state=state, shared=shared, block_size=n_draft + 1, tree=tree)
         n_draft = draft.n_draft
@@ -401,6 +460,11 @@ def mtpflow_round_protocol(session, state):
         if ahead is None:  # else: started by the previous round already
             mx.async_eval(*outputs)
         _lookahead(session, state, draft, acc)
+    elif tree is None and _next_round_same_chain(session, state, n_draft):
+        built_ahead = True
+        if ahead is None:
+            mx.async_eval(*outputs)
+        _lookahead_chain(session, state, draft, verify, acc)
     # the round's single host synchronisation
     mx.eval(*outputs)
     t2 = time.perf_counter()

@@ -51,6 +51,13 @@ class KVSharingDrafter:
         self.position_shift = POSITION_CONVENTIONS[position_convention]
         self.layer_types = sorted(set(model.layer_types))
 
+    def lookahead_safe(self, state) -> bool:
+        """A draft reads only the round's inputs (last tokens, hidden states,
+        positions) and the target's K/V by position, all device arrays: the
+        next round can be drafted on this round's lazy outcome, before its
+        sync (:class:`mtpflow.api.LookaheadSafe`)."""
+        return True
+
     def round_inputs(self, shared):
         """K/V and masks for one round (constant over the block's steps)."""
         kv, masks = {}, {}

@@ -408,10 +408,24 @@ class TargetAdapter:
         full layers squeeze out holes left by rejected drafts."""
         pos = None
         for c in cache:
+            if not _compact_due(c, n_valid_max):
+                continue
             if c.window is not None:
-                if c.idx > c.retain + c.step // 4:
-                    if pos is None:
-                        pos = mx.array(min_positions, dtype=mx.int32)
-                    c.compact(min(c.retain, c.idx), pos - c.retain)
-            elif c.idx - n_valid_max > max(64, c.idx // 4):
+                if pos is None:
+                    pos = mx.array(min_positions, dtype=mx.int32)
+                c.compact(min(c.retain, c.idx), pos - c.retain)
+            else:
                 c.compact(n_valid_max)
+
+    def compact_due(self, cache: list[SlotKVCache], n_valid_max: int) -> bool:
+        """Whether :meth:`compact` would rewrite a cache now (a round that leaves
+        it alone, because it built the next round early, asks first)."""
+        return any(_compact_due(c, n_valid_max) for c in cache)
+
+
+def _compact_due(c: SlotKVCache, n_valid_max: int) -> bool:
+    """A sliding layer holds a quarter step past what it retains; a full layer
+    holds more than ``max(64, a quarter)`` empty slots."""
+    if c.window is not None:
+        return c.idx > c.retain + c.step // 4
+    return c.idx - n_valid_max > max(64, c.idx // 4)

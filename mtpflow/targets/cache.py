@@ -47,6 +47,10 @@ class SlotKVCache:
     #: built here is shared by the layers of the forward.  The same values bit for bit; on a
     #: GPU the string picks the causal kernel, so it stays
     causal_array: bool | None = None
+    #: :meth:`rollback` takes a lazy ``keep`` and ``next_pos`` with ``trim=0`` (the rejected
+    #: slots stay as holes, masked by position): a drafting round built before the previous
+    #: round's sync rolls that round back so (``mtpflow.builtins.stages._lookahead_chain``)
+    lazy_rollback = True
 
     def __init__(self, window: int | None = None, retain: int | None = None):
         self.window = window
