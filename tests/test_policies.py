@@ -344,3 +344,16 @@ def test_adaptive_policy_measures_a_run_of_drafting_rounds_as_their_block_size()
     assert pol.cost(1) == pytest.approx(0.066)
     assert pol.reached[0] == len(reads) and pol.accepted[0] == len(reads)
 
+
+def test_two_sizes_measured_at_one_cost_do_not_make_the_largest_block_free():
+    """Block 3 read as cheap as block 2 (noise, or a pipelined run of one against a lone round of
+    the other) made the cost flat past 3, so the largest block won on paper and ran (seen: 7
+    rounds of block 8 in a 64-token bench).  Past two sizes of one cost, the cost now grows as from
+    the smallest measured size to the largest."""
+    cfg = load_config(overrides={"draft": {"block_size": 2, "max_block_size": 8, "policy": "adaptive"}})
+    pol = AdaptiveBlockPolicy(cfg)
+    for i, (k, v, acc) in enumerate([(2, 0.080, 0), (1, 0.066, 0), (1, 0.066, 0), (3, 0.079, 1), (2, 0.080, 0)]):
+        pol.observe(_record(i, k, 0.0, v, accepted=acc))
+    assert pol.cost(3) == pytest.approx(0.080)  # made non-decreasing
+    assert pol.cost(8) == pytest.approx(0.080 + 5 * (0.080 - 0.066) / 2)
+    assert pol.best() < 8

@@ -150,7 +150,10 @@ class AdaptiveBlockPolicy:
         non-decreasing in ``k`` (a round of more tokens never costs less; a
         noisy cheap measurement must not make every larger size look cheap),
         interpolated linearly between measured sizes and extrapolated with
-        the slope of the two largest."""
+        the slope of the two largest -- or, when they were measured at one
+        cost (the larger one's reading as low as the smaller's), of the
+        smallest and the largest: a flat cost would make every larger size
+        look free."""
         known = sorted(self.round_s)
         env, run = {}, 0.0
         for x in known:
@@ -166,6 +169,10 @@ class AdaptiveBlockPolicy:
             a, b = lo[-1], hi[0]
         elif lo:
             a, b = lo[-2], lo[-1]
+            slope = (env[b] - env[a]) / (b - a)
+            if slope <= 0:  # measured at one cost: the slope from the smallest size
+                slope = (env[b] - env[known[0]]) / (b - known[0])
+            return max(env[b] + slope * (k - b), 1e-9)
         else:
             return env[hi[0]]
         va, vb = env[a], env[b]
