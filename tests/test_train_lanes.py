@@ -114,17 +114,33 @@ def test_lane_count_follows_the_profile_the_ranks_and_the_rows(monkeypatch):
 
 
 def test_blas_threads_sets_and_restores_openblas():
-    import ctypes
+    """In a process of its own on OpenBLAS (the tests' process may run MKL, whose TBB pool is
+    shared by the lanes' threads and needs no setting)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from mtpflow.backend.blas import blas_threads
+    from mtpflow.backend.blas import find_blas_library
 
-    lib = ctypes.CDLL(None)
-    if not hasattr(lib, "openblas_get_num_threads"):
-        pytest.skip("the BLAS in this process is not OpenBLAS")
-    before = lib.openblas_get_num_threads()
-    with blas_threads(1):
-        assert lib.openblas_get_num_threads() == 1
-    assert lib.openblas_get_num_threads() == before
+    if not sys.platform.startswith("linux") or find_blas_library() is None:
+        pytest.skip("OpenBLAS not installed")
+    code = (
+        "import ctypes\n"
+        "from mtpflow.backend.blas import ensure_fast_blas, blas_threads\n"
+        "assert ensure_fast_blas()['status'] == 'loaded'\n"
+        "import mlx.core\n"
+        "lib = ctypes.CDLL(None)\n"
+        "before = lib.openblas_get_num_threads()\n"
+        "with blas_threads(1):\n"
+        "    assert lib.openblas_get_num_threads() == 1\n"
+        "assert lib.openblas_get_num_threads() == before\n"
+        "print('ok', before)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MTPFLOW_BLAS": "openblas", "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
 
 
 def test_a_lanes_error_reaches_the_caller_and_the_lanes_stay_usable():
