@@ -101,29 +101,34 @@ def test_ragged_budgets_and_stops_drop_the_stale_lookahead(s1):
     assert s1.stats.overlapped > 0
 
 
-def test_late_joiners_settle_the_lookahead(s1):
-    first = [make_request(s1, prompt("e", "short"), max_tokens=24)]
-    late = [make_request(s1, prompt("e", "long"), max_tokens=16), make_request(s1, prompt("e", "short")[2:], max_tokens=9)]
-    s1.reset_stats()
-    out = drive_with_late_joiners(s1, first, late, join_after=5)
+@pytest.mark.parametrize("which, budgets, join_after", [("s1", (24, 16, 9), 5), ("s3", (30, 17, 11), 4)])
+def test_late_joiners_settle_the_lookahead(request, which, budgets, join_after):
+    """Null rounds (``s1``) and drafting rounds (``s3``) built ahead, dropped when rows join."""
+    s = request.getfixturevalue(which)
+    a, b, c = budgets
+    first = [make_request(s, prompt("e", "short"), max_tokens=a)]
+    late = [make_request(s, prompt("e", "long"), max_tokens=b), make_request(s, prompt("e", "short")[2:], max_tokens=c)]
+    s.reset_stats()
+    out = drive_with_late_joiners(s, first, late, join_after=join_after)
     for r in first + late:
-        assert out[r.id] == reference(s1, r.prompt, r.max_tokens), r.id
-    assert s1.stats.overlapped > 0
+        assert out[r.id] == reference(s, r.prompt, r.max_tokens), r.id
+    assert s.stats.overlapped > 0
 
 
-class _Alternating:
-    """A block policy whose ``peek`` always promises a null round but which
-    drafts every third round: each such round must drop the round built ahead."""
+class _Wavering:
+    """A block policy whose ``peek`` always promises block ``promise`` but which
+    runs block ``other`` every ``every``-th round: each such round must drop the
+    round built ahead, with its cache slots."""
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, promise: int, other: int, every: int):
+        self.promise, self.other, self.every, self.n = promise, other, every, 0
 
     def block_size(self, stats):
         self.n += 1
-        return 3 if self.n % 3 == 0 else 1
+        return self.other if self.n % self.every == 0 else self.promise
 
     def peek(self, stats):
-        return 1
+        return self.promise
 
     def observe(self, record):
         pass
@@ -131,7 +136,7 @@ class _Alternating:
 
 def test_a_wrong_peek_costs_a_verify_not_a_token():
     s = make_session("e", block_size=1)
-    s.block_policy = _Alternating()
+    s.block_policy = _Wavering(1, 3, 3)  # promises null rounds, drafts every third
     for name in ("short", "long"):
         ids = prompt("e", name)
         req = make_request(s, ids, max_tokens=40)
@@ -296,16 +301,6 @@ def test_drafting_lookahead_ragged_rows_stops_and_budgets(spoiled):
     assert finish[reqs[2].id] == "stop" and finish[reqs[0].id] == "length"
 
 
-def test_drafting_lookahead_with_late_joiners(s3):
-    first = [make_request(s3, prompt("e", "short"), max_tokens=30)]
-    late = [make_request(s3, prompt("e", "long"), max_tokens=17), make_request(s3, prompt("e", "short")[2:], max_tokens=11)]
-    s3.reset_stats()
-    out = drive_with_late_joiners(s3, first, late, join_after=4)
-    for r in first + late:
-        assert out[r.id] == reference(s3, r.prompt, r.max_tokens), r.id
-    assert s3.stats.overlapped > 0
-
-
 def test_drafting_lookahead_seeded_sampling_is_the_same_stream(monkeypatch):
     s = make_session("e", block_size=3, draft={"policy": "fixed"}, sampling={"temperature": 0.9})
     ids = [prompt("e", "short"), prompt("e", "long")]
@@ -323,31 +318,13 @@ def test_drafting_lookahead_seeded_sampling_is_the_same_stream(monkeypatch):
     assert list(on.values()) == list(off.values())
 
 
-class _Wavering:
-    """A block policy that promises the block it drafts but drafts another every fourth round:
-    the round built ahead is then dropped, with its cache slots."""
-
-    def __init__(self):
-        self.n = 0
-
-    def block_size(self, stats):
-        self.n += 1
-        return 2 if self.n % 4 == 0 else 3
-
-    def peek(self, stats):
-        return 3
-
-    def observe(self, record):
-        pass
-
-
 def test_a_wrong_peek_drops_the_drafted_round_and_its_slots():
     s = make_session("e", block_size=3, draft={"policy": "fixed"})
-    s.block_policy = _Wavering()
+    s.block_policy = _Wavering(3, 2, 4)
     for name in ("short", "long"):
         ids = prompt("e", name)
         records = _records(s, [make_request(s, ids, max_tokens=40)])
-        s.block_policy = _Wavering()
+        s.block_policy = _Wavering(3, 2, 4)
         out, _ = run(s, [make_request(s, ids, max_tokens=40)])
         assert list(out.values())[0] == reference(s, ids, 40)
         dropped = [b for b, a in zip(records, records[1:]) if b.built_ahead and not a.overlapped]
