@@ -357,3 +357,21 @@ def test_two_sizes_measured_at_one_cost_do_not_make_the_largest_block_free():
     assert pol.cost(3) == pytest.approx(0.080)  # made non-decreasing
     assert pol.cost(8) == pytest.approx(0.080 + 5 * (0.080 - 0.066) / 2)
     assert pol.best() < 8
+
+
+def test_the_start_size_is_measured_twice_like_the_null_path():
+    """The first round of a shape also traces its graph: a block-2 start read at 3x its cost made
+    the null path look best until the first exploration (8 null rounds of a 64-token request on
+    SmolLM2).  After the null path's two rounds the start size runs once more, and the best size
+    follows its second reading."""
+    cfg = load_config(overrides={"draft": {"block_size": 2, "max_block_size": 2, "policy": "adaptive"}})
+    pol = AdaptiveBlockPolicy(cfg)
+    seq = []
+    for i, (v, acc) in enumerate([(0.240, 1), (0.066, 0), (0.066, 0), (0.078, 1), (0.078, 0), (0.078, 1)]):
+        k = pol.block_size(None)
+        seq.append(k)
+        pol.observe(_record(i, k, 0.0, v if k > 1 else 0.066, accepted=acc if k > 1 else 0))
+    assert seq[:4] == [2, 1, 1, 2]
+    assert pol.cost(2) == pytest.approx(0.078)
+    assert seq[4:] == [2, 2] and pol.block_size(None) == 2
+    assert pol.peek(None) == 2

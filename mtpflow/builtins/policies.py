@@ -82,7 +82,10 @@ class AdaptiveBlockPolicy:
 
     The first round runs ``draft.block_size``, then block size 1 until the
     null path has run twice (so the cost of verifying more than one token is
-    known; twice, as the first round of a shape also traces its graph), then every
+    known; twice, as the first round of a shape also traces its graph), then
+    ``draft.block_size`` once more (its first reading held that tracing too:
+    alone, it made the null path look best for the rounds until the first
+    exploration), then every
     round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
     now and then so the model follows changes (acceptance drifting with the
     text, rows leaving the batch): first after ``explore_every`` rounds, and
@@ -195,6 +198,8 @@ class AdaptiveBlockPolicy:
             return self.start
         if self.seen.get(1, 0) < 2:
             return 1
+        if self.seen.get(self.start, 0) < 2:
+            return self.start  # its first round traced its graph too
         untried = [t for t in self.trees if t.describe() not in self.tree_tokens]
         if untried:  # every tree shape once, after the chain's first measurements
             return untried[0]
@@ -229,7 +234,7 @@ class AdaptiveBlockPolicy:
         early when it will draft nothing.  A wrong guess costs one verify.
         No guess while the null path is measured at the start: those rounds
         are not built ahead, so each reads its own forward."""
-        if self.start not in self.round_s or self.seen.get(1, 0) < 2 or self.trees:
+        if self.start not in self.round_s or min(self.seen.get(1, 0), self.seen.get(self.start, 0)) < 2 or self.trees:
             return None
         best = self.best()
         if best == self._best and self.rounds + 1 >= self._next and self.max_k > 1:
