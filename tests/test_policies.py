@@ -375,3 +375,14 @@ def test_the_start_size_is_measured_twice_like_the_null_path():
     assert pol.cost(2) == pytest.approx(0.078)
     assert seq[4:] == [2, 2] and pol.block_size(None) == 2
     assert pol.peek(None) == 2
+
+
+def test_a_chain_deeper_than_the_ceiling_is_counted():
+    """A tree too deep for the rows' budget runs as a chain of its depth, which may pass
+    ``max_block_size`` (``2,1,...,1`` of 19 levels under a ceiling of 5): its acceptance counts."""
+    cfg = load_config(overrides={"draft": {"block_size": 2, "max_block_size": 5, "policy": "adaptive"}})
+    pol = AdaptiveBlockPolicy(cfg)
+    pol.observe(RoundRecord(round=0, batch_size=2, block_size=19, drafted=18, accepted=[18, 3], emitted=[19, 4],
+                            draft_s=0.01, verify_s=0.1, host_s=0.0))
+    assert pol.reached[:5] == [2, 2, 2, 2, 1] and pol.reached[17] == 1 and pol.accepted[3] == 1
+    assert pol.best() <= 5

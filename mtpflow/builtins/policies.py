@@ -83,7 +83,8 @@ class AdaptiveBlockPolicy:
     The first round runs ``draft.block_size``, then block size 1 until the
     null path has run twice (so the cost of verifying more than one token is
     known; twice, as the first round of a shape also traces its graph), then
-    ``draft.block_size`` once more (its first reading held that tracing too:
+    each tree shape once (with ``[draft] tree``), then ``draft.block_size``
+    once more (its first reading held that tracing too:
     alone, it made the null path look best for the rounds until the first
     exploration), then every
     round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
@@ -198,11 +199,11 @@ class AdaptiveBlockPolicy:
             return self.start
         if self.seen.get(1, 0) < 2:
             return 1
-        if self.seen.get(self.start, 0) < 2:
-            return self.start  # its first round traced its graph too
         untried = [t for t in self.trees if t.describe() not in self.tree_tokens]
         if untried:  # every tree shape once, after the chain's first measurements
             return untried[0]
+        if self.seen.get(self.start, 0) < 2:
+            return self.start  # its first round traced its graph too
         self.rounds += 1
         best = self.best()
         if self.trees:
@@ -278,6 +279,9 @@ class AdaptiveBlockPolicy:
         if not in_run:
             self._measure(k, v)
         d = record.drafted
+        if d > len(self.reached):  # a chain deeper than max_k: a tree too deep for the budget ran as one
+            grow = [0] * (d - len(self.reached))
+            self.reached, self.accepted = self.reached + grow, self.accepted + grow
         if d > 0:
             for acc in record.accepted:
                 for i in range(min(acc + 1, d)):
