@@ -340,12 +340,15 @@ class Lookahead:
     positions: Any = array_field(default=None)
     #: the next round's :class:`DraftBlock` (``None``: a null round)
     draft: Any = array_field(default=None)
-    #: the cache slots its verify appended (its drafts + 1)
-    slots: int = 1
 
     @property
     def n_draft(self) -> int:
         return 0 if self.draft is None else self.draft.n_draft
+
+    @property
+    def slots(self) -> int:
+        """The cache slots its verify appended (its drafts + 1)."""
+        return self.n_draft + 1
 
 
 @frozen(kw_only=True)

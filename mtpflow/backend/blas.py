@@ -201,12 +201,13 @@ def _ld_preload_entries() -> list[str]:
 def _resolve_requested() -> tuple[str, str | None, str]:
     """Return (mode, path, reason); mode in {'disabled', 'explicit', 'auto'}."""
     env = os.environ.get(ENV_BLAS)
-    if env is not None and env.strip().lower() in _DISABLED_VALUES:
+    name = (env or "").strip().lower()
+    if env is not None and name in _DISABLED_VALUES:
         return "disabled", None, f"{ENV_BLAS}={env}"
-    if env and env.strip().lower() == "mkl":
+    if name == "mkl":
         found = find_mkl()
         return "explicit", found[0] if found else None, f"{ENV_BLAS}={env}"
-    if env and env.strip().lower() == "openblas":
+    if name == "openblas":
         return "explicit", find_blas_library(), f"{ENV_BLAS}={env}"
     if env:
         return "explicit", env, f"{ENV_BLAS}={env}"
@@ -313,7 +314,10 @@ def ensure_fast_blas() -> dict[str, Any]:
         return done("error", f"{path} does not exist ({why})")
     try:
         if is_mkl(path):
-            result.update(_choose_mkl_threading(path))
+            tbb, info = _choose_mkl_threading(path)
+            if tbb is not None:  # first, so that MKL's TBB layer finds it
+                ctypes.CDLL(tbb, mode=os.RTLD_GLOBAL)
+            result.update(info)
         else:
             result.update(_choose_coretype())
         _HANDLE = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
@@ -324,18 +328,16 @@ def ensure_fast_blas() -> dict[str, Any]:
     return done("loaded", f"loaded with RTLD_GLOBAL ({why})", expected=True)
 
 
-def _choose_mkl_threading(path: str) -> dict[str, Any]:
-    """Before MKL loads: its threading layer TBB (when unset and a TBB runtime is
-    found), with ``libtbb`` loaded first so that MKL's TBB layer finds it."""
+def _choose_mkl_threading(path: str) -> tuple[str | None, dict[str, Any]]:
+    """Before MKL loads: ``(libtbb to load first or None, what was chosen)``;
+    sets MKL's threading layer to TBB when unset and a TBB runtime is found."""
     tbb = _tbb_for(path)
-    if tbb is not None:
-        ctypes.CDLL(tbb, mode=os.RTLD_GLOBAL)
-        if ENV_MKL_THREADING not in os.environ:
-            os.environ[ENV_MKL_THREADING] = "TBB"
-            return {"mkl_threading": "TBB", "mkl_threading_source": f"set by mtpflow ({tbb})"}
-    return {"mkl_threading": os.environ.get(ENV_MKL_THREADING),
-            "mkl_threading_source": f"{ENV_MKL_THREADING} from the environment" if ENV_MKL_THREADING in os.environ
-            else "no TBB runtime found: MKL's own default"}
+    if tbb is not None and ENV_MKL_THREADING not in os.environ:
+        os.environ[ENV_MKL_THREADING] = "TBB"
+        return tbb, {"mkl_threading": "TBB", "mkl_threading_source": f"set by mtpflow ({tbb})"}
+    return tbb, {"mkl_threading": os.environ.get(ENV_MKL_THREADING),
+                 "mkl_threading_source": f"{ENV_MKL_THREADING} from the environment" if ENV_MKL_THREADING in os.environ
+                 else "no TBB runtime found: MKL's own default"}
 
 
 def reexec_with_preload(argv: list[str] | None = None) -> None:
@@ -359,10 +361,8 @@ def reexec_with_preload(argv: list[str] | None = None) -> None:
         argv = orig[1:] if orig else list(sys.argv)
     first = []
     if is_mkl(path):
-        tbb = _tbb_for(path)
-        if tbb is not None:
-            first.append(tbb)
-            os.environ.setdefault(ENV_MKL_THREADING, "TBB")
+        tbb, _ = _choose_mkl_threading(path)
+        first = [tbb] if tbb is not None else []
     else:
         _choose_coretype()
     env = dict(os.environ)

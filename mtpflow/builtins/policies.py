@@ -73,8 +73,8 @@ class AdaptiveBlockPolicy:
       the round that builds the next one waits for both forwards, the last of
       the run for almost nothing.  Such a run (of one block size: a round
       builds only the next one of its own size) is measured as one sample of
-      that size, its average, when its last round arrives (a slow round inside it raises that
-      sample only); a run whose last look-ahead was dropped (the next round
+      that size, its average, when its last round arrives (a slow round
+      inside it raises that sample only); a run whose last look-ahead was dropped (the next round
       drafts, or rows finished) is measured as it stands when the next round
       arrives.
       An unmeasured size is interpolated (extrapolated) linearly from the
@@ -84,10 +84,9 @@ class AdaptiveBlockPolicy:
     null path has run twice (so the cost of verifying more than one token is
     known; twice, as the first round of a shape also traces its graph), then
     each tree shape once (with ``[draft] tree``), then ``draft.block_size``
-    once more (its first reading held that tracing too:
-    alone, it made the null path look best for the rounds until the first
-    exploration), then every
-    round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
+    once more (its first reading held that tracing too: alone, it made the
+    null path look best for the rounds until the first exploration), then
+    every round runs ``argmax_k E(k) / cost(k)``, with a neighbour tried
     now and then so the model follows changes (acceptance drifting with the
     text, rows leaving the batch): first after ``explore_every`` rounds, and
     each time a try leaves the best size unchanged the wait doubles (up to

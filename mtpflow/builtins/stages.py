@@ -272,13 +272,9 @@ def _next_round_null(session, state, remaining: int) -> bool:
     next round will (most likely) draft nothing, every row goes on after this
     round, and the sampler reads nothing the host learns only at the sync
     (mlx-lm processors, repetition penalties and grammars read the tokens)."""
-    if session.config.trace.sync_timing or remaining < 2:
+    if remaining < 2 or any(r.finished or r.request.max_tokens - len(r.generated) < 2 for r in state.rows):
         return False
-    if any(r.finished or r.request.max_tokens - len(r.generated) < 2 for r in state.rows):
-        return False
-    if not has(session.sampler, LookaheadSafe) or not session.sampler.lookahead_safe(state):
-        return False
-    if not _hooks_allow_lookahead(session, state):
+    if not _lookahead_allowed(session, state):
         return False
     if session.drafter is None or not any(r.request.speculative for r in state.rows):
         return True
@@ -294,10 +290,9 @@ def _next_round_same_chain(session, state, n_draft: int) -> bool:
     and the next block fits its budget; the block policy expects the same
     block; the drafter, the sampler and the stage plugins read nothing the
     host learns only at the sync; and every cache rolls back lazily."""
-    drafter = session.drafter
-    if n_draft == 0 or session.config.trace.sync_timing or session.tap_layers or session.drafter_commit is not None:
+    if n_draft == 0 or session.tap_layers or session.drafter_commit is not None:
         return False
-    if not has(drafter, LookaheadSafe) or not drafter.lookahead_safe(state):
+    if not _copes(session.drafter, state):
         return False
     if not has(session.block_policy, PeekingBlockPolicy) or session.block_policy.peek(session.stats) != n_draft + 1:
         return False
@@ -309,9 +304,18 @@ def _next_round_same_chain(session, state, n_draft: int) -> bool:
     due = getattr(session.target, "compact_due", None)
     if due is None or due(state.cache, max(r.position for r in state.rows)):
         return False  # the next advance compacts the cache (this round's leaves it alone)
-    if not has(session.sampler, LookaheadSafe) or not session.sampler.lookahead_safe(state):
-        return False
-    return _hooks_allow_lookahead(session, state)
+    return _lookahead_allowed(session, state)
+
+
+def _copes(obj, state) -> bool:
+    """Whether ``obj`` says it copes with the lookahead (:class:`~mtpflow.api.LookaheadSafe`)."""
+    return has(obj, LookaheadSafe) and bool(obj.lookahead_safe(state))
+
+
+def _lookahead_allowed(session, state) -> bool:
+    """What every lookahead needs: no per-stage timing, and a sampler and stage
+    plugins that read nothing the host learns only at the sync."""
+    return not session.config.trace.sync_timing and _copes(session.sampler, state) and _hooks_allow_lookahead(session, state)
 
 
 def _drafts_to_budget(drafter) -> bool:
@@ -327,10 +331,7 @@ def _hooks_allow_lookahead(session, state) -> bool:
     round order unless it says, through ``lookahead_safe(state)``, that it
     copes with the next round's verify and accept arriving before this
     round's advance and emit."""
-    for plugin in _stage_plugins(session.hook):
-        if not has(plugin, LookaheadSafe) or not plugin.lookahead_safe(state):
-            return False
-    return True
+    return all(_copes(plugin, state) for plugin in _stage_plugins(session.hook))
 
 
 _stage_memo: tuple = (None, ())
@@ -399,7 +400,7 @@ def _lookahead_chain(session, state, draft, verify, acc) -> None:
     finally:
         state.last_tokens, state.positions, state.hidden = saved
     state.lookahead = Lookahead(rows=tuple(state.rows), verify=nverify, accepted=accepted, last_tokens=nxt_last,
-                                positions=nxt_pos, draft=nxt, slots=nxt.n_draft + 1)
+                                positions=nxt_pos, draft=nxt)
     mx.async_eval(accepted.counts, accepted.tokens, nverify.hidden)
 
 
