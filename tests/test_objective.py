@@ -128,6 +128,15 @@ def test_soft_labels_of_logits_equal_those_of_their_log_softmax(monkeypatch, pow
     for inp in (z, z - 30.0, lab):
         for g, w in zip(obj.soft_labels(inp), want):
             np.testing.assert_allclose(np.array(g), np.array(w), rtol=2e-5, atol=2e-6)
+        # with the maximum label_top gathered at the argmax: the same labels
+        a, m = obj.label_top(inp)
+        assert mx.array_equal(a, mx.argmax(inp, axis=-1)).item()
+        assert mx.array_equal(m, mx.max(inp, axis=-1, keepdims=True)).item()
+        for g, w in zip(obj.soft_labels(inp, m), want):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=2e-5, atol=2e-6)
+    # a row without a finite logit has no distribution: NaN, as summing its p gave
+    bad = mx.full((1, 7), -float("inf"))
+    assert all(np.isnan(np.array(x)).all() for x in (obj.soft_labels(bad)[0], obj.soft_labels(bad)[2]))
 
 
 @pytest.mark.parametrize("blas", [True, False])

@@ -140,3 +140,26 @@ def test_dflash_training_steps_equal_speculators(variant, tmp_path, monkeypatch)
         _check(log, grads, z)
     else:
         _check(log, grads, z, "decay_loss", "decay_grad_norm", check_grads=False)
+
+
+@pytest.mark.parametrize("anchors", [2, 9])
+def test_dflash_labels_on_the_block_rows_equal_the_full_heads(anchors):
+    """The DFlash trainer runs the target's head on the block rows' label positions only where
+    they are fewer than the row's positions (2 anchors), else on every position and gathers
+    (9 anchors of a block of 4 need 27 rows of 24): both give the full head's logits there (the
+    Speculators parity above runs the first way)."""
+    import mtpflow.drafters.dflash.train as kinds
+
+    target = _target()
+    B, T, block = 2, 24, 4
+    hidden = mx.random.normal((B, T, target.hidden_size), key=mx.random.key(5))
+    rng = np.random.default_rng(anchors)
+    a = np.sort(np.stack([rng.choice(T - 1, anchors, replace=False) for _ in range(B)]), axis=1).astype(np.int32)
+    src = kinds.label_positions(a, block, T)
+    assert src.shape == (B, anchors * (block - 1)) and src.max() <= T - 1
+    np.testing.assert_array_equal(src[:, : block - 1], a[:, :1] + np.arange(block - 1))
+    full = target.logits(hidden)
+    got = kinds.block_label_logits(target, hidden, a, block)
+    want = mx.take_along_axis(full, mx.array(src)[:, :, None], axis=1)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

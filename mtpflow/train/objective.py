@@ -135,18 +135,29 @@ def step_terms(logp: mx.array, lab: mx.array, tgt: mx.array, valid: mx.array, so
     return (per * vf).sum(), correct, mx.stop_gradient(vf.sum())
 
 
-def soft_labels(z: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def label_top(z: mx.array) -> tuple[mx.array, mx.array]:
+    """``(argmax(z), max(z))`` over the last axis (the max kept) in one pass over ``z``: the
+    argmax, and the maximum gathered at it, for a caller that needs the target's greedy
+    token and :func:`soft_labels` its maximum."""
+    a = mx.argmax(z, axis=-1)
+    return a, mx.take_along_axis(z, a[..., None], axis=-1)
+
+
+def soft_labels(z: mx.array, m: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """``(p, sum p log p, sum p)`` over the last axis, ``p = softmax(z)``, of the target's logits or
     log-distribution ``z`` (the same labels either way): what :func:`logit_terms` reads of a soft
     label.  One ``exp`` (``p`` is the row's powers over their sum and ``log p = z - max - log sum``),
     where a ``log_softmax`` first and its ``exp`` after took two.  Computed once per batch, each step
-    or depth then reads them shifted or gathered (not one ``exp`` per step)."""
-    m = mx.max(z, axis=-1, keepdims=True)
+    or depth then reads them shifted or gathered (not one ``exp`` per step).  ``m``: the rows'
+    maximum (kept) where the caller has it (:func:`label_top`); ``sum p`` is the powers' sum over
+    itself (1, or NaN for a row without a finite logit, as a sum of ``p`` gives), not a pass over ``p``."""
+    if m is None:
+        m = mx.max(z, axis=-1, keepdims=True)
     d = z - mx.where(mx.isinf(m), 0.0, m)
     e = exp(d)
     s = rowsum(e)[..., None]
     p = e / s
-    psum = rowsum(p)
+    psum = (s / s)[..., 0]
     return p, rowsum(p * d) - mx.log(s)[..., 0] * psum, psum
 
 

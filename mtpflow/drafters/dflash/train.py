@@ -32,7 +32,7 @@ import numpy as np
 
 from ...targets.base import rope_at
 from ...train.kind import TappedTrainer
-from ...train.objective import logit_loss, soft_labels, top_hit
+from ...train.objective import label_top, logit_loss, soft_labels, top_hit
 from ...train.target import TargetStates
 from .config import parse
 from .model import DFlashModel
@@ -98,27 +98,48 @@ def dpace_weights(per, vf, alpha: float):
     return mx.stop_gradient(suffix * vf)
 
 
+def label_positions(anchors, block: int, T: int):
+    """``[B, K * (block-1)]``: the position ``a+k-1`` of the label of every block row
+    ``k = 1 .. block-1`` of the anchors ``a [B, K]`` (the target's distribution
+    there predicts ``x_{a+k}``), clipped to the row.  NumPy in, NumPy out; MLX in, MLX out."""
+    xp = np if isinstance(anchors, np.ndarray) else mx
+    B, K = anchors.shape
+    src = anchors[:, :, None] + xp.arange(block - 1, dtype=anchors.dtype)[None, None, :]
+    return xp.clip(src, 0, T - 1).reshape(B, K * (block - 1))
+
+
+def block_label_logits(target, hidden: mx.array, anchors: np.ndarray, block: int) -> mx.array:
+    """The target's logits at :func:`label_positions` ``[B, K*(block-1), V]``, from its
+    final states ``hidden [B, T, H]``: the head runs on those rows only where they are
+    fewer than the ``T`` positions (8 anchors of a block of 8 need 56 of them), else on
+    every position, gathered after."""
+    T = hidden.shape[1]
+    src = mx.array(label_positions(np.asarray(anchors), block, T))
+    if src.shape[1] < T:
+        return target.logits(mx.take_along_axis(hidden, src[:, :, None], axis=1))
+    return mx.take_along_axis(target.logits(hidden), src[:, :, None], axis=1)
+
+
 def dflash_loss_terms(model, target, feats, label_logits, toks, anchors, valid, mask_id: int, targets: str,
-                      weighting: str = "geometric", decay: float = math.exp(-0.25), alpha: float = 0.5):
+                      weighting: str = "geometric", decay: float = math.exp(-0.25), alpha: float = 0.5,
+                      gathered: bool = False):
     """Speculators' DFlash loss terms over block rows ``1..Bs-1``:
     ``(per_row_weighted_loss_sum, per_row_correct, per_row_count)``.  Each term
     is the row's loss (``hard``: cross-entropy on the target's argmax, Speculators'
     default ``ce``; ``soft``: KL) times its weight -- ``decay**(k-1)``
     (``exp(-(k-1)/gamma)``, ``weighting="geometric"``) or :func:`dpace_weights`
     (``"dpace"``); :meth:`DFlashTrainer.reduce` divides their sum by the count of
-    all terms, as Speculators' ``loss_function`` does."""
+    all terms, as Speculators' ``loss_function`` does.  ``label_logits``: the
+    target's logits at every position ``[B, T, V]``, or with ``gathered`` at the
+    block rows' label positions (:func:`block_label_logits`)."""
     logits = dflash_block_logits(model, target, feats, toks, anchors, mask_id).astype(mx.float32)  # [B, K, Bs-1, V]
-    Bs1 = logits.shape[2]
-    j = mx.arange(1, Bs1 + 1)
-    pos = anchors[:, :, None] + j[None, None, :]  # the predicted token's position a+k
-    # label of x_{a+k}: the target's distribution at position a+k-1
-    T = toks.shape[1]
-    src = mx.clip(pos - 1, 0, T - 1)
-    B, K = anchors.shape
-    flat = src.reshape(B, K * Bs1)
-    lab = mx.take_along_axis(label_logits, flat[:, :, None], axis=1).reshape(B, K, Bs1, -1)
-    tgt = mx.argmax(lab, axis=-1)  # (soft_labels normalises the logits itself)
-    per, m = logit_loss(logits, tgt, soft_labels(lab) if targets == "soft" else None, with_max=True)  # (logit_terms)
+    B, K, Bs1 = logits.shape[:3]
+    if not gathered:  # label of x_{a+k}: the target's distribution at position a+k-1
+        flat = label_positions(anchors, Bs1 + 1, toks.shape[1])
+        label_logits = mx.take_along_axis(label_logits, flat[:, :, None], axis=1)
+    lab = label_logits.reshape(B, K, Bs1, -1)
+    tgt, top = label_top(lab)  # (soft_labels normalises the logits itself, from their maximum)
+    per, m = logit_loss(logits, tgt, soft_labels(lab, top) if targets == "soft" else None, with_max=True)  # (logit_terms)
     vf = valid.astype(mx.float32)  # [B, K, Bs-1]
     if weighting == "dpace":
         w = dpace_weights(per, vf, alpha)
@@ -180,9 +201,9 @@ class DFlashTrainer(TappedTrainer):
 
     def batch(self, toks, lmask, lens, step: int, row0: int = 0, idx=None):
         hidden, feats = self.states(toks, lens, idx)
-        labels = mx.stop_gradient(self.target.logits(hidden))
         anchors, valid = _anchors(np.array(lmask), np.array(lens), self.anchors, self.cfg.block_size, self.seed, step,
                                   row0)
+        labels = mx.stop_gradient(block_label_logits(self.target, hidden, anchors, self.cfg.block_size))
         return (feats, labels, toks, mx.array(anchors), mx.array(valid))
 
     def step_batch(self, toks, lmask, lens, step: int, row0: int, idx):
@@ -197,7 +218,7 @@ class DFlashTrainer(TappedTrainer):
 
     def loss(self, model, feats, labels, toks, anchors, valid):
         return dflash_loss_terms(model, self.target, feats, labels, toks, anchors, valid, self.cfg.mask_token_id,
-                                 self.targets, self.weighting, self.decay, self.alpha)
+                                 self.targets, self.weighting, self.decay, self.alpha, gathered=True)
 
     def weights(self, acc_ema):
         """The position weights are inside the terms (:func:`dflash_loss_terms`)."""

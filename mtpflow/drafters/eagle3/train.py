@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...train.kind import TappedTrainer
-from ...train.objective import ahead, choose_draft_vocab, logit_terms, shift, soft_labels, step_weights
+from ...train.objective import ahead, choose_draft_vocab, label_top, logit_terms, shift, soft_labels, step_weights
 from ...train.target import TargetStates
 from .config import default_aux_layer_ids
 from .export import new_config, save_speculators
@@ -68,8 +68,8 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
     per_step_correct, per_step_count)`` (:func:`mtpflow.train.objective.weighted_loss`)."""
     B, T = toks.shape
     tpos = mx.arange(T, dtype=mx.int32)[None]
-    tgt_all = mx.argmax(label_logits, axis=-1)
-    soft_all = soft_labels(label_logits) if targets == "soft" else None  # (softmax of the logits, one exp)
+    tgt_all, top = label_top(label_logits)
+    soft_all = soft_labels(label_logits, top) if targets == "soft" else None  # (softmax of the logits, one exp)
     row_tokens = shift(toks, 1)  # x_{t+1} at row t
     sums, correct, counts = [], [], []
     rows = mx.broadcast_to(tpos + 1, (B, T))  # row t sits at the position of its token x_{t+1}

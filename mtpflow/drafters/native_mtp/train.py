@@ -54,7 +54,7 @@ from ...targets.base import TreeRope
 from ...train import data as data_mod
 from ...train import target as frozen
 from ...train.kind import KindTrainer, add_data_summaries, read_options
-from ...train.objective import logit_terms, shift, soft_labels
+from ...train.objective import label_top, logit_terms, shift, soft_labels
 from ...train.optimize import optimize
 from ...train.parallel import world
 from ...train.sources import training_data
@@ -197,8 +197,8 @@ def mtp_planned_terms(head, target, H, labels, toks, seg, pos, pairs, targets: s
     ``label_at``, ``pairs`` the plan's ``(at, lab)`` per depth as arrays."""
     sums, correct, counts = [], [], []
     soft = labels.ndim == 2
-    tgt_all = mx.argmax(labels, axis=-1) if soft else labels
-    soft_all = soft_labels(labels) if soft else None  # once for every depth's rows
+    tgt_all, top = label_top(labels) if soft else (labels, None)
+    soft_all = soft_labels(labels, top) if soft else None  # once for every depth's rows
     for (at, j), out in zip(pairs, mtp_outputs(head, target.embed, H, toks, seg, pos)):
         x = target.logits(rows_at(out, at)).astype(mx.float32)
         # the target's distribution of x_{i+k+1}
