@@ -34,6 +34,50 @@ def test_eagle3_training_forward_is_speculators_ttt(drafter):
         assert np.abs(np.array(lg[0])[valid] - ref["step_logits"][j][valid]).max() < 1e-4, j
 
 
+@pytest.mark.parametrize("targets", ["soft", "hard"])
+def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets):
+    """The EAGLE-3 trainer runs the drafter's head and the loss on the rows with a term only
+    (:func:`term_plan`): its per-step sums, hits and counts equal those of the head over every
+    row with Speculators' validity mask (the form before), on rows with prompts, a short row, a
+    row without loss tokens, and steps past a row's end; and a batch without loss tokens counts
+    nothing."""
+    from mtpflow.drafters.eagle3.train import eagle3_loss_terms, term_plan
+    from mtpflow.train.objective import logit_terms, shift, soft_labels
+
+    s = load_session(load_config(overrides={"model": {"model": str(E3 / "target"), "draft_model": str(E3 / "drafter_train")}}))
+    d = s.drafter
+    B, T, steps = 3, 12, 4
+    rng = np.random.default_rng(3)
+    toks = mx.array(rng.integers(0, 200, (B, T)), dtype=mx.int32)
+    lens = mx.array([12, 7, 12], dtype=mx.int32)
+    lm = np.zeros((B, T), bool)
+    lm[0, 5:] = True
+    lm[1, 2:] = True  # past its length too: not counted
+    lmask = mx.array(lm)  # row 2: no loss tokens
+    g = mx.random.normal((B, T, d.model.fc.weight.shape[1]), key=mx.random.key(2))
+    labels = mx.random.normal((B, T, d.model.lm_head.weight.shape[0]), key=mx.random.key(4)) * 3
+    got = eagle3_loss_terms(d.model, d.embed, g, labels, toks, lmask, lens, steps, targets)
+    # the former form: every row's logits, the labels read shifted, Speculators' mask
+    tpos = mx.arange(T, dtype=mx.int32)[None]
+    tgt_all = mx.argmax(labels, axis=-1)
+    soft_all = soft_labels(labels) if targets == "soft" else None
+    rows = mx.broadcast_to(tpos + 1, (B, T))
+    want = []
+    for j, lg in enumerate(ttt_logits(d.model, d.embed, g, shift(toks, 1), rows, steps, d.window)):
+        n = T - 1 - j
+        soft = None if soft_all is None else tuple(shift(a, 1 + j)[:, :n] for a in soft_all)
+        valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
+        want.append(logit_terms(lg[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft))
+    for k in range(3):
+        np.testing.assert_allclose(np.array(got[k]), np.array(mx.stack([w[k] for w in want])), rtol=1e-5, atol=1e-5)
+    assert np.array(got[2]).tolist() == [12.0, 12.0, 11.0, 10.0]  # row 0: 7 terms a step; row 1: 5, 5, 4, 3
+    # no loss token in the batch: one dummy row per step, never counted
+    none = eagle3_loss_terms(d.model, d.embed, g, labels, toks, mx.zeros((B, T), mx.bool_), lens, steps, targets)
+    assert np.array(none[2]).tolist() == [0.0] * steps and np.array(none[0]).tolist() == [0.0] * steps
+    label_at, plan = term_plan(lm, np.array(lens), steps)
+    assert [len(p[0]) for p in plan] == [12, 12, 11, 10] and len(label_at) == 12
+
+
 def test_dflash_training_forward_is_the_inference_forward():
     s = load_session(load_config(overrides={"model": {"model": str(DF / "target"), "draft_model": str(DF / "drafter")}}))
     d = s.drafter

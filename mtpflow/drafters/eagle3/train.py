@@ -32,17 +32,17 @@ import mlx.core as mx
 import numpy as np
 
 from ...train.kind import TappedTrainer
-from ...train.objective import ahead, choose_draft_vocab, label_top, logit_terms, shift, soft_labels, step_weights
+from ...train.objective import choose_draft_vocab, label_top, logit_terms, shift, soft_labels, step_weights
 from ...train.target import TargetStates
 from .config import default_aux_layer_ids
 from .export import new_config, save_speculators
 from .model import Eagle3Model
 
 
-def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: int | None):
-    """speculators' training-time test: yields the draft-vocabulary logits
-    ``[B, T, Vd]`` of steps ``0 .. steps-1`` (step ``j``: tokens shifted left
-    by ``j``, 0-padded, at ``row_positions + j``)."""
+def ttt_states(model, embed, g, row_tokens, row_positions, steps: int, window: int | None):
+    """speculators' training-time test: yields the head's input (the normed layer output
+    ``[B, T, H]``) of steps ``0 .. steps-1`` (step ``j``: tokens shifted left by ``j``,
+    0-padded, at ``row_positions + j``); :func:`ttt_logits` puts the head on it."""
     layer = model.layer
     T = row_tokens.shape[1]
     t = mx.arange(T)
@@ -59,29 +59,73 @@ def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: i
         # Speculators attends over every step's keys with the mask [causal, diag x j]; the diagonal
         # blocks hide all but one key a row, so only those are computed (Layer.finish_ttt)
         out = layer.finish_ttt(q, keys, values, causal, res)
-        logits, h = model.head(out)
-        yield logits
+        normed = model.norm(out)  # (model.head: the logits' input, and the state fed back)
+        h = normed if model.cfg.norm_output else out
+        yield normed
+
+
+def ttt_logits(model, embed, g, row_tokens, row_positions, steps: int, window: int | None):
+    """speculators' training-time test: yields the draft-vocabulary logits
+    ``[B, T, Vd]`` of steps ``0 .. steps-1`` (:func:`ttt_states`)."""
+    for normed in ttt_states(model, embed, g, row_tokens, row_positions, steps, window):
+        yield model.lm_head(normed)
+
+
+def term_plan(lmask: np.ndarray, lens: np.ndarray, steps: int):
+    """Where the terms of the TTT steps sit, read on the host.  The label of row ``t`` at step
+    ``j`` is the target's distribution at position ``q = t+1+j``, and the term counts when ``q``
+    is a loss token of the row (Speculators' rule, :func:`eagle3_loss_terms`).  Returns
+    ``(label_at, steps)``: ``label_at [L]`` the flat positions ``b*T + q`` of the loss tokens
+    ``1 <= q < len`` (the only labels any step reads), and per step ``(rows, lab, valid)``: the
+    flat rows with a term, the index in ``label_at`` of each one's label, and ``valid`` (all
+    true; a step without terms gets one invalid row, so no array is empty)."""
+    B, T = lmask.shape
+    q = np.arange(T)[None]
+    need = lmask.astype(bool) & (q < np.asarray(lens).reshape(B, 1)) & (q >= 1)
+    label_at = np.flatnonzero(need).astype(np.int32)
+    pos = label_at % T
+    plan = []
+    for j in range(steps):
+        sel = np.flatnonzero(pos >= 1 + j).astype(np.int32)
+        if len(sel):
+            plan.append((label_at[sel] - 1 - j, sel, np.ones(len(sel), bool)))
+        else:
+            plan.append((np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, bool)))
+    if not len(label_at):  # nothing to read: one row, never counted
+        label_at = np.zeros(1, np.int32)
+    return label_at, plan
 
 
 def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: int, targets: str):
     """Unnormalised terms over the TTT steps: ``(per_step_loss_sum,
-    per_step_correct, per_step_count)`` (:func:`mtpflow.train.objective.weighted_loss`)."""
+    per_step_correct, per_step_count)`` (:func:`mtpflow.train.objective.weighted_loss`), from the
+    target's draft-vocabulary logits at every position ``[B, T, Vd]``.  (Reads ``lmask`` and
+    ``lens`` on the host; the trainer plans its batches with :func:`term_plan` and calls
+    :func:`eagle3_planned_terms`.)"""
     B, T = toks.shape
-    tpos = mx.arange(T, dtype=mx.int32)[None]
-    tgt_all, top = label_top(label_logits)
-    soft_all = soft_labels(label_logits, top) if targets == "soft" else None  # (softmax of the logits, one exp)
+    label_at, plan = term_plan(np.array(lmask), np.array(lens), steps)
+    labels = mx.take(label_logits.reshape(B * T, -1), mx.array(label_at), axis=0)
+    return eagle3_planned_terms(model, embed, g, labels, toks, [tuple(mx.array(a) for a in p) for p in plan],
+                                steps, targets)
+
+
+def eagle3_planned_terms(model, embed, g, labels, toks, plan, steps: int, targets: str):
+    """:func:`eagle3_loss_terms` at the rows of :func:`term_plan`: ``labels`` the target's
+    draft-vocabulary logits at ``label_at`` ``[L, Vd]``, ``plan`` its steps as arrays.  The
+    drafter's head and the loss run on the rows with a term only (the layer runs on every row:
+    each step's state feeds the next)."""
+    B, T = toks.shape
+    tgt_all, top = label_top(labels)
+    soft_all = soft_labels(labels, top) if targets == "soft" else None  # (softmax of the logits, one exp)
     row_tokens = shift(toks, 1)  # x_{t+1} at row t
     sums, correct, counts = [], [], []
-    rows = mx.broadcast_to(tpos + 1, (B, T))  # row t sits at the position of its token x_{t+1}
-    for j, logits in enumerate(ttt_logits(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)):
-        # the target's distribution of x_{t+2+j}, at position t+1+j: terms sit at the first T - 1 - j rows,
-        # whose labels are read as views 1 + j positions on (not copied shifted)
-        n = max(T - 1 - j, 1)
-        soft = None if soft_all is None else tuple(ahead(a, 1 + j, n) for a in soft_all)
-        # Speculators' rule (shift_batch + align_for_step): the term counts when the position whose distribution
-        # is the label is a loss token of the row -- the last token's distribution (past the row's end) included
-        valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
-        s, c, cnt = logit_terms(logits[:, :n].astype(mx.float32), ahead(tgt_all, 1 + j, n), valid, soft)
+    rows = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None] + 1, (B, T))  # row t sits at the position of x_{t+1}
+    states = ttt_states(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)
+    for (at, lab, valid), normed in zip(plan, states):
+        # the target's distribution of x_{t+2+j}, at position t+1+j
+        x = model.lm_head(mx.take(normed.reshape(B * T, -1), at, axis=0)).astype(mx.float32)
+        soft = None if soft_all is None else tuple(mx.take(a, lab, axis=0) for a in soft_all)
+        s, c, cnt = logit_terms(x, mx.take(tgt_all, lab, axis=0), valid, soft)
         sums.append(s)
         correct.append(c)
         counts.append(cnt)
@@ -136,9 +180,13 @@ class Eagle3Trainer(TappedTrainer):
 
     def batch(self, toks, lmask, lens, idx=None):
         hidden, g = self.states(toks, lens, idx)
-        # the target's head over the draft vocabulary only (K rows, not the full vocabulary, then a slice)
-        labels = mx.stop_gradient(self.target.softcapped(mx.matmul(hidden.astype(mx.float32), self.head_rows.T)))
-        return (g, labels, toks, lmask, lens)
+        B, T = toks.shape
+        label_at, plan = term_plan(np.array(lmask), np.array(lens), self.steps)
+        # the target's head over the draft vocabulary only (K rows, not the full vocabulary, then a slice),
+        # at the loss positions only (the labels the steps read)
+        h = mx.take(hidden.reshape(B * T, -1), mx.array(label_at), axis=0).astype(mx.float32)
+        labels = mx.stop_gradient(self.target.softcapped(mx.matmul(h, self.head_rows.T)))
+        return (g, labels, toks, [tuple(mx.array(a) for a in p) for p in plan])
 
     def weights(self, acc_ema):
         """Speculators' ``ttt_step_loss_decay ** j`` per TTT step, not normalised
@@ -147,8 +195,8 @@ class Eagle3Trainer(TappedTrainer):
             return step_weights("position", self.steps, self.decay, acc_ema)
         return (self.decay ** np.arange(self.steps)).astype(np.float32)
 
-    def loss(self, model, g, labels, toks, lmask, lens):
-        return eagle3_loss_terms(model, self.embed, g, labels, toks, lmask, lens, self.steps, self.targets)
+    def loss(self, model, g, labels, toks, plan):
+        return eagle3_planned_terms(model, self.embed, g, labels, toks, plan, self.steps, self.targets)
 
     def step_batch(self, toks, lmask, lens, step: int, row0: int, idx):
         return self.batch(toks, lmask, lens, idx=idx)
