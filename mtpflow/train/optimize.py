@@ -197,6 +197,7 @@ class _Loop:
 
         cfg, ranks = self.cfg, self.ranks
         self.grad_fn = nn.value_and_grad(self.model, self.objective)
+        self.apply = self._update_fn()
         self.log_f = open(self.log_path, "a") if ranks.main else None
         self.bar = Progress(cfg.steps, self.step, cfg.progress and ranks.main, desc=f"train [{device()['backend']}]")
         self.peak_before = mx.get_peak_memory()  # (the matmul probe's buffers are not the run's)
@@ -234,14 +235,32 @@ class _Loop:
             on_grads(self.step, grads)
         if self.ranks.size > 1:
             grads, loss, per, cor, n_tok = self._all_reduce(grads, loss, per, cor, n_tok)
-        grads, gnorm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
-        self.opt.update(self.model, grads)
+        gnorm = self.apply(grads)
         mx.eval(self.model.parameters(), self.opt.state, loss, per, cor, cnt, gnorm, n_tok)
         self.flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step)
         self.step += 1
         self._record(loss, per, cor, cnt, gnorm, n_tok)
         if self.ranks.main:
             self._report()
+
+    def _update_fn(self):
+        """The clipping and the optimiser's update, compiled (``mx.compile``, the weights and the
+        optimiser state as its implicit inputs and outputs): a few fused kernels a parameter
+        instead of a dozen passes over it, which on a CPU run on one core while the other idles
+        (DFlash at 8 M trained parameters: ~90 -> ~50 ms a step).  The same values: the graph is
+        the same, fused.  Built once the state is in place (resumed or initialised), as the
+        compiled function holds the state's trees."""
+        model, opt, clip = self.model, self.opt, self.cfg.grad_clip
+        if not opt.state:  # (otherwise initialised by the first update, inside the graph)
+            opt.init(model.trainable_parameters())
+
+        def apply(grads):
+            grads, gnorm = optim.clip_grad_norm(grads, clip)
+            opt.update(model, grads)
+            return gnorm
+
+        state = [model.state, opt.state]
+        return mx.compile(apply, inputs=state, outputs=state)
 
     def _count_whole(self, counts) -> None:
         """The loss-term counts of the whole global batch (every micro-batch or part normalises by them)."""
