@@ -251,8 +251,7 @@ class _Loop:
         the same, fused.  Built once the state is in place (resumed or initialised), as the
         compiled function holds the state's trees."""
         model, opt, clip = self.model, self.opt, self.cfg.grad_clip
-        if not opt.state:  # (otherwise initialised by the first update, inside the graph)
-            opt.init(model.trainable_parameters())
+        opt.init(model.trainable_parameters())  # the state's missing entries (a resumed state is kept)
 
         def apply(grads):
             grads, gnorm = optim.clip_grad_norm(grads, clip)
