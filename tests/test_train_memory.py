@@ -67,6 +67,9 @@ def test_quantized_target_training_stays_under_its_memory_bound(tmp_path):
     for s in (s_fp, s_q, s_b, s_f):  # reported next to the FLOP share of the measured matmul rate
         f = s["train_speed"]["flops"]
         assert f["matmul_rate_gflops"] > 0 and f["share_of_matmul"] > 0 and f["last_step_gflop"]["target_forward"] > 0
+        g = f["last_step_gflop"]  # EAGLE-3's head is the target's rows, frozen: backward once
+        assert 0 < g["frozen_weight_forward"] < g["drafter_forward"]
+        assert abs(g["total"] - (3 * g["drafter_forward"] - g["frozen_weight_forward"] + g["target_forward"])) < 1e-3
         assert s["train_speed"]["peak_memory"]["rss_peak_gb"] > 0
     # the quantized target's weights saving shows in the peak
     assert peaks["fp"] - peaks["q4"] > 0.5 * (w_fp - w_q), peaks
@@ -115,3 +118,42 @@ def test_the_compiled_update_is_the_plain_one(tmp_path, monkeypatch, optimizer):
     for k in w_c:
         np.testing.assert_allclose(np.array(w_c[k]), np.array(w_p[k]), rtol=1e-5, atol=1e-6, err_msg=k)
     assert log_c[-1]["loss"] != log_c[0]["loss"]  # it trained
+
+
+def test_the_step_flops_count_a_frozen_weights_backward_once():
+    """``count_matmuls`` counts every product built inside; the products by a weight the gradient is
+    not taken of (a frozen head) count again in ``frozen``, as their backward has no weight
+    gradient, and a training step's total is ``3 x forward - frozen + target``."""
+    import mlx.nn as nn
+
+    from mtpflow.train.flops import Throughput, count_matmuls
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 16, bias=False)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.freeze()
+
+        def __call__(self, x):
+            return self.head(self.body(x))
+
+    m = Two()
+    x = mx.ones((5, 8))
+    seen = {}
+
+    def loss(model, x):
+        count_matmuls.trained(model.trainable_parameters())
+        return model(x).sum()
+
+    with count_matmuls() as c:
+        nn.value_and_grad(m, loss)(m, x)
+        seen["grad"] = (c.flops, c.frozen)
+    with count_matmuls() as plain:  # never told what is trained: all of it
+        m(x)
+    assert seen["grad"] == (2 * 5 * (8 * 16 + 16 * 32), 2 * 5 * 16 * 32)
+    assert plain.flops == seen["grad"][0] and plain.frozen == 0
+    t = Throughput(None)
+    t.add(c.flops, 100, 1.0, c.frozen)
+    assert t.flops == 3 * c.flops - c.frozen + 100
+    assert t.summary()["last_step_gflop"]["frozen_weight_forward"] == round(c.frozen / 1e9, 4)

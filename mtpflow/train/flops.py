@@ -10,8 +10,12 @@ work (norms, softmax, RoPE) is left out, as MFU figures do.
 
 A training step costs ``3 ×`` the forward FLOPs of the trained module (the
 forward, and a backward of about twice it: gradients of the activations and of
-the weights), its LM head included, plus the frozen target's forward when its
-features are not cached (no backward through it).  :func:`matmul_rate`
+the weights), less once the products by a weight that is not trained (a frozen
+LM head: its backward computes the activations' gradient only), plus the frozen
+target's forward when its features are not cached (no backward through it).
+The objective names the weights it trains (:meth:`count_matmuls.trained`, the
+arrays the gradient is taken of); a counter never told counts every weight as
+trained.  :func:`matmul_rate`
 measures the machine: a loop of ``1024³`` float32 matmuls in the same process,
 so the share ``step FLOPs / step time / rate`` stays meaningful on a busy
 machine (both are slowed alike).
@@ -44,11 +48,26 @@ class count_matmuls:
 
     def __init__(self):
         self.flops = 0
+        #: the forward FLOPs of products by a weight outside :meth:`trained`'s (no weight gradient)
+        self.frozen = 0
+        self._trained: set | None = None
 
     @classmethod
-    def _add(cls, n: int) -> None:
+    def trained(cls, params) -> None:
+        """The weights (a tree of arrays) the gradient is taken of, for the active counters: a
+        product by any other weight counts in :attr:`frozen` too."""
+        from mlx.utils import tree_flatten
+
+        ids = {id(a) for _, a in tree_flatten(params)}
+        for c in cls._active:
+            c._trained = ids if c._trained is None else c._trained | ids
+
+    @classmethod
+    def _add(cls, n: int, weight=None) -> None:
         for c in cls._active:
             c.flops += int(n)
+            if weight is not None and c._trained is not None and id(weight) not in c._trained:
+                c.frozen += int(n)
 
     def __enter__(self):
         cls = type(self)
@@ -74,19 +93,19 @@ class count_matmuls:
         cls._saved = {"lin": lin, "qlin": qlin, "emb": emb, "qemb": qemb, "sdpa": sdpa, "mm": mm}
 
         def linear(self, x):
-            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1])
+            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1], self.weight)
             return lin(self, x)
 
         def qlinear(self, x):
-            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1])
+            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1], self.weight)
             return qlin(self, x)
 
         def as_linear(self, x):
-            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1])
+            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1], self.weight)
             return emb(self, x)
 
         def q_as_linear(self, x):
-            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1])
+            cls._add(2 * _rows(x) * self.weight.shape[0] * x.shape[-1], self.weight)
             return qemb(self, x)
 
         def attention(q, k, v, *a, **kw):
@@ -150,14 +169,19 @@ class Throughput:
         self.rate = rate
         self.flops = 0
         self.seconds = 0.0
-        self.step_flops = {"drafter_fwd": 0, "target_fwd": 0}
+        self.step_flops = {"drafter_fwd": 0, "target_fwd": 0, "frozen_fwd": 0}
         self.steps = 0
 
-    def add(self, drafter_fwd: int, target_fwd: int, seconds: float) -> None:
-        self.step_flops = {"drafter_fwd": int(drafter_fwd), "target_fwd": int(target_fwd)}
-        self.flops += 3 * drafter_fwd + target_fwd
+    def add(self, drafter_fwd: int, target_fwd: int, seconds: float, frozen_fwd: int = 0) -> None:
+        """A step's forward FLOPs (``frozen_fwd`` of them by weights not trained: backward once)."""
+        self.step_flops = {"drafter_fwd": int(drafter_fwd), "target_fwd": int(target_fwd), "frozen_fwd": int(frozen_fwd)}
+        self.flops += self.step_total(self.step_flops)
         self.seconds += seconds
         self.steps += 1
+
+    @staticmethod
+    def step_total(f: dict) -> int:
+        return 3 * f["drafter_fwd"] - f.get("frozen_fwd", 0) + f["target_fwd"]
 
     @property
     def achieved(self) -> float:
@@ -178,7 +202,8 @@ class Throughput:
             "achieved_gflops": round(self.achieved / 1e9, 3),
             "share_of_matmul": round(self.share, 4) if self.share is not None else None,
             "last_step_gflop": {"drafter_forward": round(last["drafter_fwd"] / 1e9, 4),
+                                "frozen_weight_forward": round(last["frozen_fwd"] / 1e9, 4),
                                 "target_forward": round(last["target_fwd"] / 1e9, 4),
-                                "total": round((3 * last["drafter_fwd"] + last["target_fwd"]) / 1e9, 4)},
+                                "total": round(self.step_total(last) / 1e9, 4)},
             "steps_timed": self.steps,
         }

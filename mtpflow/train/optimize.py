@@ -181,6 +181,9 @@ class _Loop:
             repair_log(self.log_path, self.step)  # partial line and later steps go)
 
     def objective(self, m, *args):
+        from .flops import count_matmuls
+
+        count_matmuls.trained(m.trainable_parameters())  # (the arrays the gradient is taken of, here)
         *batch, w = args
         sums, correct, counts = self.loss_fn(m, *batch)
         counts = self.ranks.sum(mx.stop_gradient(counts)) if self.whole_counts is None else self.whole_counts
@@ -237,7 +240,7 @@ class _Loop:
             grads, loss, per, cor, n_tok = self._all_reduce(grads, loss, per, cor, n_tok)
         gnorm = self.apply(grads)
         mx.eval(self.model.parameters(), self.opt.state, loss, per, cor, cnt, gnorm, n_tok)
-        self.flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step)
+        self.flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step, f_drafter.frozen)
         self.step += 1
         self._record(loss, per, cor, cnt, gnorm, n_tok)
         if self.ranks.main:
