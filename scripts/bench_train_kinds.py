@@ -20,7 +20,8 @@ last columns are each run's rate over the assistant kind's cached rate.
 a turn, and reports each ratio's median over the turns (each turn's ratio
 pairs runs made one after the other, so a load change between turns cancels).
 The FLOP columns are each run's last step (:mod:`mtpflow.train.flops`: three
-times the drafter's forward plus the labels' head) per token, and the rate of
+times the drafter's forward, less once its products by frozen weights, plus the
+labels' head) per token, and the rate of
 steps 2.. in FLOP/s as a share of the matmul rate probed in the same process.
 """
 
