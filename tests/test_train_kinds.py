@@ -35,8 +35,10 @@ def test_eagle3_training_forward_is_speculators_ttt(drafter):
 
 
 @pytest.mark.parametrize("targets", ["soft", "hard"])
-def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets):
-    """The EAGLE-3 trainer runs the drafter's head and the loss on the rows with a term only
+@pytest.mark.parametrize("layout", ["early", "prompts"])
+def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets, layout):
+    """The EAGLE-3 trainer runs the drafter's head and the loss on the rows with a term only, and
+    the layer of the later TTT steps from the first row with a term at one of them
     (:func:`term_plan`): its per-step sums, hits and counts equal those of the head over every
     row with Speculators' validity mask (the form before), on rows with prompts, a short row, a
     row without loss tokens, and steps past a row's end; and a batch without loss tokens counts
@@ -51,9 +53,15 @@ def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets):
     toks = mx.array(rng.integers(0, 200, (B, T)), dtype=mx.int32)
     lens = mx.array([12, 7, 12], dtype=mx.int32)
     lm = np.zeros((B, T), bool)
-    lm[0, 5:] = True
-    lm[1, 2:] = True  # past its length too: not counted
-    lmask = mx.array(lm)  # row 2: no loss tokens
+    if layout == "early":
+        lm[0, 5:] = True
+        lm[1, 2:] = True  # past its length too: not counted
+        counts, kept = [12, 12, 11, 10], T
+    else:  # prompts of 6 and 8 tokens: the later steps run on rows 2 .. 11 only
+        lm[0, 6:] = True
+        lm[2, 8:] = True
+        counts, kept = [10, 10, 10, 10], T - 2
+    lmask = mx.array(lm)
     g = mx.random.normal((B, T, d.model.fc.weight.shape[1]), key=mx.random.key(2))
     labels = mx.random.normal((B, T, d.model.lm_head.weight.shape[0]), key=mx.random.key(4)) * 3
     got = eagle3_loss_terms(d.model, d.embed, g, labels, toks, lmask, lens, steps, targets)
@@ -70,12 +78,12 @@ def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets):
         want.append(logit_terms(lg[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft))
     for k in range(3):
         np.testing.assert_allclose(np.array(got[k]), np.array(mx.stack([w[k] for w in want])), rtol=1e-5, atol=1e-5)
-    assert np.array(got[2]).tolist() == [12.0, 12.0, 11.0, 10.0]  # row 0: 7 terms a step; row 1: 5, 5, 4, 3
+    assert np.array(got[2]).tolist() == [float(c) for c in counts]
+    label_at, plan, keep = term_plan(lm, np.array(lens), steps)
+    assert [len(p[0]) for p in plan] == counts and len(keep) == kept
     # no loss token in the batch: one dummy row per step, never counted
     none = eagle3_loss_terms(d.model, d.embed, g, labels, toks, mx.zeros((B, T), mx.bool_), lens, steps, targets)
     assert np.array(none[2]).tolist() == [0.0] * steps and np.array(none[0]).tolist() == [0.0] * steps
-    label_at, plan = term_plan(lm, np.array(lens), steps)
-    assert [len(p[0]) for p in plan] == [12, 12, 11, 10] and len(label_at) == 12
 
 
 def test_dflash_training_forward_is_the_inference_forward():

@@ -62,22 +62,23 @@ class Attention(nn.Module):
 
     def attend_ttt(self, q, keys, values, visible):
         """Attention of a training-time-test step ``j = len(keys) - 1``: the queries ``[B, nh, T, hd]``
-        see the step-0 keys ``keys[0]`` where ``visible [T, T]`` allows and, of every later step
+        see the step-0 keys ``keys[0]`` ``[B, kvh, S, hd]`` where ``visible [T, S]`` allows and, of every later step
         ``i``, only their own row's key ``keys[i][:, :, t]``.  The same attention as
         :meth:`attend` with Speculators' ``[T, T (j + 1)]`` mask (``visible`` then ``j`` diagonal
         blocks), without its ``T j`` hidden columns: one ``[T, T]`` product plus a dot product per
         later step (the same values to float rounding).  The products go through ``mx.matmul``."""
-        B, nh, T, hd = q.shape
+        B, nh, T, hd = q.shape  # (T query rows: all of them, or a training step's later rows only,
+        S = keys[0].shape[-2]  # against the S step-0 keys; a later step's own keys are the queries' rows)
         g = nh // self.n_kv
         qs = (q * self.scale).reshape(B, self.n_kv, g, T, hd)
-        k0, v0 = keys[0][:, :, None], values[0][:, :, None]  # [B, kvh, 1, T, hd]
-        scores = mx.matmul(qs, k0.swapaxes(-1, -2))  # [B, kvh, g, T, T]
+        k0, v0 = keys[0][:, :, None], values[0][:, :, None]  # [B, kvh, 1, S, hd]
+        scores = mx.matmul(qs, k0.swapaxes(-1, -2))  # [B, kvh, g, T, S]
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         own = [(qs * k[:, :, None]).sum(-1, keepdims=True) for k in keys[1:]]  # [B, kvh, g, T, 1] each
         p = mx.softmax(mx.concatenate([scores, *own], axis=-1) if own else scores, axis=-1, precise=True)
-        o = mx.matmul(p[..., :T], v0)
+        o = mx.matmul(p[..., :S], v0)
         for i, v in enumerate(values[1:]):
-            o = o + p[..., T + i : T + i + 1] * v[:, :, None]
+            o = o + p[..., S + i : S + i + 1] * v[:, :, None]
         return self.o_proj(o.reshape(B, nh, T, hd).transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

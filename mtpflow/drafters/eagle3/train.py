@@ -39,10 +39,13 @@ from .export import new_config, save_speculators
 from .model import Eagle3Model
 
 
-def ttt_states(model, embed, g, row_tokens, row_positions, steps: int, window: int | None):
+def ttt_states(model, embed, g, row_tokens, row_positions, steps: int, window: int | None, keep=None):
     """speculators' training-time test: yields the head's input (the normed layer output
     ``[B, T, H]``) of steps ``0 .. steps-1`` (step ``j``: tokens shifted left by ``j``,
-    0-padded, at ``row_positions + j``); :func:`ttt_logits` puts the head on it."""
+    0-padded, at ``row_positions + j``); :func:`ttt_logits` puts the head on it.  ``keep``
+    (``[W]`` row indices, ascending): steps ``1 ..`` run on those rows only -- a later step
+    reads the step-0 keys of every row but of itself only its own rows' states and keys --
+    and yield ``[B, W, H]``."""
     layer = model.layer
     T = row_tokens.shape[1]
     t = mx.arange(T)
@@ -52,8 +55,12 @@ def ttt_states(model, embed, g, row_tokens, row_positions, steps: int, window: i
     h = model.first_hidden(g)
     keys, values = [], []
     for j in range(steps):
-        tok = shift(row_tokens, j)
-        q, k, v, res = layer.project(embed(tok), h, row_positions + j)
+        tok, pos = shift(row_tokens, j), row_positions + j
+        if j == 1 and keep is not None:  # the later steps' rows
+            h, causal = mx.take(h, keep, axis=1), mx.take(causal, keep, axis=0)
+        if j >= 1 and keep is not None:
+            tok, pos = mx.take(tok, keep, axis=1), mx.take(pos, keep, axis=1)
+        q, k, v, res = layer.project(embed(tok), h, pos)
         keys.append(k)
         values.append(v)
         # Speculators attends over every step's keys with the mask [causal, diag x j]; the diagonal
@@ -75,25 +82,34 @@ def term_plan(lmask: np.ndarray, lens: np.ndarray, steps: int):
     """Where the terms of the TTT steps sit, read on the host.  The label of row ``t`` at step
     ``j`` is the target's distribution at position ``q = t+1+j``, and the term counts when ``q``
     is a loss token of the row (Speculators' rule, :func:`eagle3_loss_terms`).  Returns
-    ``(label_at, steps)``: ``label_at [L]`` the flat positions ``b*T + q`` of the loss tokens
-    ``1 <= q < len`` (the only labels any step reads), and per step ``(rows, lab, valid)``: the
-    flat rows with a term, the index in ``label_at`` of each one's label, and ``valid`` (all
-    true; a step without terms gets one invalid row, so no array is empty)."""
+    ``(label_at, steps, keep)``: ``label_at [L]`` the flat positions ``b*T + q`` of the loss tokens
+    ``1 <= q < len`` (the only labels any step reads); per step ``(rows, lab, valid)``: the
+    flat rows with a term (from step 1 on, among the kept rows), the index in ``label_at`` of
+    each one's label, and ``valid`` (all true; a step without terms gets one invalid row, so no
+    array is empty); and ``keep``, the rows steps ``1 ..`` run on: from the first row with a
+    term at any of them (rows before it feed no later term; the rows of a batch share one range)."""
     B, T = lmask.shape
     q = np.arange(T)[None]
     need = lmask.astype(bool) & (q < np.asarray(lens).reshape(B, 1)) & (q >= 1)
     label_at = np.flatnonzero(need).astype(np.int32)
     pos = label_at % T
+    # the later steps run on the rows from the first with a term at any of them (:func:`ttt_states`)
+    later = [int(pos[pos >= 1 + j].min()) - 1 - j for j in range(1, steps) if (pos >= 1 + j).any()]
+    first = min(later) if later else T - 1
+    keep = np.arange(first, T, dtype=np.int32)
     plan = []
     for j in range(steps):
         sel = np.flatnonzero(pos >= 1 + j).astype(np.int32)
         if len(sel):
-            plan.append((label_at[sel] - 1 - j, sel, np.ones(len(sel), bool)))
+            rows = label_at[sel] - 1 - j
+            if j >= 1:  # flat index in [B, W] of the kept rows
+                rows = (rows // T) * len(keep) + rows % T - first
+            plan.append((rows.astype(np.int32), sel, np.ones(len(sel), bool)))
         else:
             plan.append((np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, bool)))
     if not len(label_at):  # nothing to read: one row, never counted
         label_at = np.zeros(1, np.int32)
-    return label_at, plan
+    return label_at, plan, keep
 
 
 def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: int, targets: str):
@@ -103,27 +119,27 @@ def eagle3_loss_terms(model, embed, g, label_logits, toks, lmask, lens, steps: i
     ``lens`` on the host; the trainer plans its batches with :func:`term_plan` and calls
     :func:`eagle3_planned_terms`.)"""
     B, T = toks.shape
-    label_at, plan = term_plan(np.array(lmask), np.array(lens), steps)
+    label_at, plan, keep = term_plan(np.array(lmask), np.array(lens), steps)
     labels = mx.take(label_logits.reshape(B * T, -1), mx.array(label_at), axis=0)
     return eagle3_planned_terms(model, embed, g, labels, toks, [tuple(mx.array(a) for a in p) for p in plan],
-                                steps, targets)
+                                steps, targets, mx.array(keep))
 
 
-def eagle3_planned_terms(model, embed, g, labels, toks, plan, steps: int, targets: str):
+def eagle3_planned_terms(model, embed, g, labels, toks, plan, steps: int, targets: str, keep=None):
     """:func:`eagle3_loss_terms` at the rows of :func:`term_plan`: ``labels`` the target's
-    draft-vocabulary logits at ``label_at`` ``[L, Vd]``, ``plan`` its steps as arrays.  The
-    drafter's head and the loss run on the rows with a term only (the layer runs on every row:
-    each step's state feeds the next)."""
+    draft-vocabulary logits at ``label_at`` ``[L, Vd]``, ``plan`` its steps as arrays, ``keep``
+    its kept rows.  The drafter's head and the loss run on the rows with a term only, the layer
+    of steps ``1 ..`` on the kept rows (step 0 on every row: its keys are every later step's)."""
     B, T = toks.shape
     tgt_all, top = label_top(labels)
     soft_all = soft_labels(labels, top) if targets == "soft" else None  # (softmax of the logits, one exp)
     row_tokens = shift(toks, 1)  # x_{t+1} at row t
     sums, correct, counts = [], [], []
     rows = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None] + 1, (B, T))  # row t sits at the position of x_{t+1}
-    states = ttt_states(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window)
+    states = ttt_states(model, embed, g, row_tokens, rows, steps, model.cfg.sliding_window, keep)
     for (at, lab, valid), normed in zip(plan, states):
         # the target's distribution of x_{t+2+j}, at position t+1+j
-        x = model.lm_head(mx.take(normed.reshape(B * T, -1), at, axis=0)).astype(mx.float32)
+        x = model.lm_head(mx.take(normed.reshape(-1, normed.shape[-1]), at, axis=0)).astype(mx.float32)
         soft = None if soft_all is None else tuple(mx.take(a, lab, axis=0) for a in soft_all)
         s, c, cnt = logit_terms(x, mx.take(tgt_all, lab, axis=0), valid, soft)
         sums.append(s)
@@ -181,12 +197,12 @@ class Eagle3Trainer(TappedTrainer):
     def batch(self, toks, lmask, lens, idx=None):
         hidden, g = self.states(toks, lens, idx)
         B, T = toks.shape
-        label_at, plan = term_plan(np.array(lmask), np.array(lens), self.steps)
+        label_at, plan, keep = term_plan(np.array(lmask), np.array(lens), self.steps)
         # the target's head over the draft vocabulary only (K rows, not the full vocabulary, then a slice),
         # at the loss positions only (the labels the steps read)
         h = mx.take(hidden.reshape(B * T, -1), mx.array(label_at), axis=0).astype(mx.float32)
         labels = mx.stop_gradient(self.target.softcapped(mx.matmul(h, self.head_rows.T)))
-        return (g, labels, toks, [tuple(mx.array(a) for a in p) for p in plan])
+        return (g, labels, toks, [tuple(mx.array(a) for a in p) for p in plan], mx.array(keep))
 
     def weights(self, acc_ema):
         """Speculators' ``ttt_step_loss_decay ** j`` per TTT step, not normalised
@@ -195,8 +211,8 @@ class Eagle3Trainer(TappedTrainer):
             return step_weights("position", self.steps, self.decay, acc_ema)
         return (self.decay ** np.arange(self.steps)).astype(np.float32)
 
-    def loss(self, model, g, labels, toks, plan):
-        return eagle3_planned_terms(model, self.embed, g, labels, toks, plan, self.steps, self.targets)
+    def loss(self, model, g, labels, toks, plan, keep):
+        return eagle3_planned_terms(model, self.embed, g, labels, toks, plan, self.steps, self.targets, keep)
 
     def step_batch(self, toks, lmask, lens, step: int, row0: int, idx):
         return self.batch(toks, lmask, lens, idx=idx)
