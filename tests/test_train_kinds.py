@@ -44,7 +44,6 @@ def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets, layou
     row without loss tokens, and steps past a row's end; and a batch without loss tokens counts
     nothing."""
     from mtpflow.drafters.eagle3.train import eagle3_loss_terms, term_plan
-    from mtpflow.train.objective import logit_terms, shift, soft_labels
 
     s = load_session(load_config(overrides={"model": {"model": str(E3 / "target"), "draft_model": str(E3 / "drafter_train")}}))
     d = s.drafter
@@ -66,24 +65,92 @@ def test_eagle3_terms_on_the_loss_rows_equal_those_over_every_row(targets, layou
     labels = mx.random.normal((B, T, d.model.lm_head.weight.shape[0]), key=mx.random.key(4)) * 3
     got = eagle3_loss_terms(d.model, d.embed, g, labels, toks, lmask, lens, steps, targets)
     # the former form: every row's logits, the labels read shifted, Speculators' mask
-    tpos = mx.arange(T, dtype=mx.int32)[None]
-    tgt_all = mx.argmax(labels, axis=-1)
-    soft_all = soft_labels(labels) if targets == "soft" else None
-    rows = mx.broadcast_to(tpos + 1, (B, T))
-    want = []
-    for j, lg in enumerate(ttt_logits(d.model, d.embed, g, shift(toks, 1), rows, steps, d.window)):
-        n = T - 1 - j
-        soft = None if soft_all is None else tuple(shift(a, 1 + j)[:, :n] for a in soft_all)
-        valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
-        want.append(logit_terms(lg[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft))
+    want = _terms_over_every_row(d.model, d.embed, g, labels, toks, lmask, lens, steps, targets, d.window)
     for k in range(3):
-        np.testing.assert_allclose(np.array(got[k]), np.array(mx.stack([w[k] for w in want])), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.array(got[k]), np.array(want[k]), rtol=1e-5, atol=1e-5)
     assert np.array(got[2]).tolist() == [float(c) for c in counts]
     label_at, plan, keep = term_plan(lm, np.array(lens), steps)
     assert [len(p[0]) for p in plan] == counts and len(keep) == kept
     # no loss token in the batch: one dummy row per step, never counted
     none = eagle3_loss_terms(d.model, d.embed, g, labels, toks, mx.zeros((B, T), mx.bool_), lens, steps, targets)
     assert np.array(none[2]).tolist() == [0.0] * steps and np.array(none[0]).tolist() == [0.0] * steps
+
+
+def _terms_over_every_row(model, embed, g, labels, toks, lmask, lens, steps, targets, window):
+    """The EAGLE-3 terms as Speculators computes them: the head over every row of every TTT
+    step, the labels read shifted, its validity mask."""
+    from mtpflow.train.objective import logit_terms, shift, soft_labels
+
+    B, T = toks.shape
+    tpos = mx.arange(T, dtype=mx.int32)[None]
+    tgt_all = mx.argmax(labels, axis=-1)
+    soft_all = soft_labels(labels) if targets == "soft" else None
+    rows = mx.broadcast_to(tpos + 1, (B, T))
+    out = []
+    for j, lg in enumerate(ttt_logits(model, embed, g, shift(toks, 1), rows, steps, window)):
+        n = max(T - 1 - j, 1)
+        soft = None if soft_all is None else tuple(shift(a, 1 + j)[:, :n] for a in soft_all)
+        valid = ((tpos + 1 + j < lens[:, None]) & shift(lmask, 1 + j))[:, :n]
+        out.append(logit_terms(lg[:, :n].astype(mx.float32), shift(tgt_all, 1 + j)[:, :n], valid, soft))
+    return tuple(mx.stack([o[k] for o in out]) for k in range(3))
+
+
+def test_eagle3_pruned_terms_have_the_gradients_of_the_full_form():
+    """Random batches (ragged rows, prompts, gaps, no loss at all; steps past a row's end; a
+    sliding window shorter than the rows, which the kept rows' mask must keep): the pruned
+    terms' step-weighted loss has the gradients of the full form's, for the drafter's weights
+    and for the features ``g`` (whose rows before the kept ones reach the later steps as
+    step-0 keys)."""
+    import attrs
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mtpflow.drafters.eagle3.train import eagle3_loss_terms, term_plan
+
+    s = load_session(load_config(overrides={"model": {"model": str(E3 / "target"), "draft_model": str(E3 / "drafter_train")}}))
+    d, model = s.drafter, s.drafter.model
+    H, Vd = model.fc.weight.shape[1], model.lm_head.weight.shape[0]
+    rng = np.random.default_rng(0)
+    pruned = 0
+    for trial in range(24):
+        B, T, steps = int(rng.integers(1, 4)), int(rng.integers(2, 14)), int(rng.integers(1, 5))
+        targets, window = ("soft", "hard")[trial % 2], (None, 3)[(trial // 2) % 2]
+        model.cfg = attrs.evolve(model.cfg, sliding_window=window)
+        lens = rng.integers(1, T + 1, B).astype(np.int32)
+        lens[0] = T
+        lm = np.zeros((B, T), bool)
+        for b in range(B):
+            kind = trial % 4 if b == 0 else int(rng.integers(0, 4))
+            if kind == 1:
+                lm[b, rng.integers(1, T):] = True
+            elif kind == 2:
+                lm[b] = rng.random(T) < 0.4
+            elif kind == 3:
+                lm[b, rng.integers(0, T):rng.integers(0, T + 1)] = True
+        pruned += int(term_plan(lm, lens, steps)[2][0] > 0)
+        toks = mx.array(rng.integers(0, 200, (B, T)), dtype=mx.int32)
+        g = mx.array(rng.normal(size=(B, T, H)).astype(np.float32))
+        labels = mx.array((rng.normal(size=(B, T, Vd)) * 3).astype(np.float32))
+        L, lm_x = mx.array(lens), mx.array(lm)
+        w = mx.array((0.8 ** np.arange(steps)).astype(np.float32))
+
+        def loss(terms):
+            S, C, N = terms
+            return (w * S / mx.maximum(N, 1)).sum()
+
+        def pruned_loss(gg):
+            return loss(eagle3_loss_terms(model, d.embed, gg, labels, toks, lm_x, L, steps, targets))
+
+        def full_loss(gg):
+            return loss(_terms_over_every_row(model, d.embed, gg, labels, toks, lm_x, L, steps, targets, window))
+
+        got = nn.value_and_grad(model, pruned_loss)(g)
+        want = nn.value_and_grad(model, full_loss)(g)
+        np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5, atol=1e-6)
+        for (name, a), (_, b) in zip(tree_flatten(got[1]), tree_flatten(want[1])):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5, err_msg=f"trial {trial}: {name}")
+        np.testing.assert_allclose(np.array(mx.grad(pruned_loss)(g)), np.array(mx.grad(full_loss)(g)), rtol=1e-4, atol=1e-5)
+    assert pruned >= 6  # the kept range dropped rows in enough of the batches to test it
 
 
 def test_dflash_training_forward_is_the_inference_forward():

@@ -82,8 +82,8 @@ def term_plan(lmask: np.ndarray, lens: np.ndarray, steps: int):
     """Where the terms of the TTT steps sit, read on the host.  The label of row ``t`` at step
     ``j`` is the target's distribution at position ``q = t+1+j``, and the term counts when ``q``
     is a loss token of the row (Speculators' rule, :func:`eagle3_loss_terms`).  Returns
-    ``(label_at, steps, keep)``: ``label_at [L]`` the flat positions ``b*T + q`` of the loss tokens
-    ``1 <= q < len`` (the only labels any step reads); per step ``(rows, lab, valid)``: the
+    ``(label_at, plan, keep)``: ``label_at [L]`` the flat positions ``b*T + q`` of the loss tokens
+    ``1 <= q < len`` (the only labels any step reads); ``plan``, per step ``(rows, lab, valid)``: the
     flat rows with a term (from step 1 on, among the kept rows), the index in ``label_at`` of
     each one's label, and ``valid`` (all true; a step without terms gets one invalid row, so no
     array is empty); and ``keep``, the rows steps ``1 ..`` run on: from the first row with a
