@@ -95,6 +95,14 @@ def test_budget_settings_are_checked():
     with pytest.raises(ValueError, match="at most 4"):
         micro_slices(slice(0, 4), 5)
     assert micro_slices(slice(2, 7), 2) == [slice(2, 4), slice(4, 7)]
+    import mlx.nn as nn
+
+    from mtpflow.train.memory import checkpoint_layers
+
+    bare = nn.Module()
+    bare.layers = [nn.Linear(4, 4)]
+    with pytest.raises(ValueError, match="train without --grad-checkpoint"):
+        checkpoint_layers(bare)  # nothing to recompute: an error, not a silent no-op
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
@@ -157,3 +165,41 @@ def test_the_step_flops_count_a_frozen_weights_backward_once():
     t.add(c.flops, 100, 1.0, c.frozen)
     assert t.flops == 3 * c.flops - c.frozen + 100
     assert t.summary()["last_step_gflop"]["frozen_weight_forward"] == round(c.frozen / 1e9, 4)
+    # checkpointed, the trained body runs on the transform's copies of its weights: still trained,
+    # and its recomputation in the backward counts apart, outside the step's total
+    from mtpflow.train.memory import checkpointed
+
+    class Checkpointed(Two):
+        def __call__(self, x):
+            return self.head(checkpointed(self.body, self.body)(x))
+
+    ck_m = Checkpointed()
+    with count_matmuls() as ck:
+        grads = nn.value_and_grad(ck_m, loss)(ck_m, x)[1]
+    assert (ck.flops, ck.frozen, ck.recomputed) == (*seen["grad"], 2 * 5 * 8 * 16)
+    assert float(mx.abs(grads["body"]["weight"]).sum()) > 0
+
+
+KIND_OPTS = {"eagle3": OPTS, "dflash": {"block_size": 4, "num_hidden_layers": 1}, "mtp": None,
+             "assistant": {"num_hidden_layers": 1}}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_OPTS))
+def test_gradient_checkpointing_recomputes_in_every_kind(tmp_path, kind):
+    """``--grad-checkpoint`` recomputes a part of the drafter's layer in every kind (EAGLE-3's
+    training-time-test steps, whose layer training calls through ``finish_ttt``; an MTP layer's
+    block), shown by the products the backward builds again (``recomputed_forward``), with the
+    same losses and gradient norms, and the same model FLOPs, as without it."""
+    kw = dict(COMMON, kind=kind, steps=2, anchors=4)
+    runs = {}
+    for ck in (False, True):
+        s = train(str(TGT), KIND_OPTS[kind], "selfgen:8:40", tmp_path / str(ck), grad_checkpoint=ck, **kw)
+        log = [json.loads(x) for x in (tmp_path / str(ck) / "train_log.jsonl").read_text().splitlines()]
+        runs[ck] = (s["train_speed"]["flops"]["last_step_gflop"], log)
+    (g_off, log_off), (g_on, log_on) = runs[False], runs[True]
+    assert g_off["recomputed_forward"] == 0 and g_on["recomputed_forward"] > 0, (g_off, g_on)
+    for k in ("drafter_forward", "frozen_weight_forward", "target_forward", "total"):
+        assert g_on[k] == g_off[k], (k, g_off, g_on)
+    for a, b in zip(log_off, log_on):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)

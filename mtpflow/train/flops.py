@@ -15,7 +15,9 @@ LM head: its backward computes the activations' gradient only), plus the frozen
 target's forward when its features are not cached (no backward through it).
 The objective names the weights it trains (:meth:`count_matmuls.trained`, the
 arrays the gradient is taken of); a counter never told counts every weight as
-trained.  :func:`matmul_rate`
+trained.  Products a checkpointed block recomputes in the backward
+(``--grad-checkpoint``) count apart, in :attr:`count_matmuls.recomputed`: the share is of the
+model's FLOPs (MFU), not of the hardware's (recomputation included).  :func:`matmul_rate`
 measures the machine: a loop of ``1024³`` float32 matmuls in the same process,
 so the share ``step FLOPs / step time / rate`` stays meaningful on a busy
 machine (both are slowed alike).
@@ -23,6 +25,7 @@ machine (both are slowed alike).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import mlx.core as mx
@@ -50,7 +53,21 @@ class count_matmuls:
         self.flops = 0
         #: the forward FLOPs of products by a weight outside :meth:`trained`'s (no weight gradient)
         self.frozen = 0
+        #: the FLOPs of products recomputed in the backward (:meth:`recomputing`), in neither of the above
+        self.recomputed = 0
         self._trained: set | None = None
+
+    _recomputing: int = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def recomputing(cls):
+        """Inside: the products built are a checkpointed block's recomputation in the backward."""
+        cls._recomputing += 1
+        try:
+            yield
+        finally:
+            cls._recomputing -= 1
 
     @classmethod
     def trained(cls, params) -> None:
@@ -65,6 +82,9 @@ class count_matmuls:
     @classmethod
     def _add(cls, n: int, weight=None) -> None:
         for c in cls._active:
+            if cls._recomputing:
+                c.recomputed += int(n)
+                continue
             c.flops += int(n)
             if weight is not None and c._trained is not None and id(weight) not in c._trained:
                 c.frozen += int(n)
@@ -169,12 +189,14 @@ class Throughput:
         self.rate = rate
         self.flops = 0
         self.seconds = 0.0
-        self.step_flops = {"drafter_fwd": 0, "target_fwd": 0, "frozen_fwd": 0}
+        self.step_flops = {"drafter_fwd": 0, "target_fwd": 0, "frozen_fwd": 0, "recomputed": 0}
         self.steps = 0
 
-    def add(self, drafter_fwd: int, target_fwd: int, seconds: float, frozen_fwd: int = 0) -> None:
-        """A step's forward FLOPs (``frozen_fwd`` of them by weights not trained: backward once)."""
-        self.step_flops = {"drafter_fwd": int(drafter_fwd), "target_fwd": int(target_fwd), "frozen_fwd": int(frozen_fwd)}
+    def add(self, drafter_fwd: int, target_fwd: int, seconds: float, frozen_fwd: int = 0, recomputed: int = 0) -> None:
+        """A step's forward FLOPs (``frozen_fwd`` of them by weights not trained: backward once;
+        ``recomputed``: a checkpointed block's recomputation, reported, not in the total)."""
+        self.step_flops = {"drafter_fwd": int(drafter_fwd), "target_fwd": int(target_fwd), "frozen_fwd": int(frozen_fwd),
+                           "recomputed": int(recomputed)}
         self.flops += self.step_total(self.step_flops)
         self.seconds += seconds
         self.steps += 1
@@ -204,6 +226,7 @@ class Throughput:
             "last_step_gflop": {"drafter_forward": round(last["drafter_fwd"] / 1e9, 4),
                                 "frozen_weight_forward": round(last["frozen_fwd"] / 1e9, 4),
                                 "target_forward": round(last["target_fwd"] / 1e9, 4),
+                                "recomputed_forward": round(last.get("recomputed", 0) / 1e9, 4),
                                 "total": round(self.step_total(last) / 1e9, 4)},
             "steps_timed": self.steps,
         }

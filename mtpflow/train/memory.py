@@ -11,8 +11,8 @@ reporting.
   and sums their gradients; the loss is normalised by the term counts of the
   whole batch, so the gradient equals the one-pass gradient (to rounding).
 * ``--grad-checkpoint``: the drafter layers' activations are recomputed in the
-  backward pass instead of kept (``mx.checkpoint`` through
-  ``nn.utils.checkpoint``): each layer's MLP, and EAGLE-3's attention block.
+  backward pass instead of kept (``mx.checkpoint``, :func:`checkpointed`): each layer's MLP, or
+  the methods a layer names in ``checkpoint_methods`` (EAGLE-3: attention output + MLP).
 * ``--optimizer adafactor``: MLX's maintained ``optim.Adafactor`` keeps
   factored second moments (a row and a column vector per matrix, no first
   moment) instead of AdamW's two full moments.  MLX has no maintained 8-bit
@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-__all__ = ["check_config", "make_optimizer", "quantize_target", "quantized_from_path", "checkpoint_layers", "peak",
+__all__ = ["check_config", "make_optimizer", "quantize_target", "quantized_from_path", "checkpoint_layers", "checkpointed", "peak",
            "micro_slices", "tree_bytes"]
 
 OPTIMIZERS = ("adamw", "adafactor")
@@ -129,34 +129,77 @@ def tree_bytes(tree) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
 
 
+def checkpointed(module, fn):
+    """``fn`` (a call of ``module``) with its activations recomputed in the backward pass
+    (``mx.checkpoint`` over ``module``'s trainable parameters, as ``nn.utils.checkpoint``).  The
+    parameters inside are the transform's copies: they are named to the FLOP counter as trained
+    (:meth:`~mtpflow.train.flops.count_matmuls.trained`), and the backward's second call counts as
+    recomputation (:meth:`~mtpflow.train.flops.count_matmuls.recomputing`)."""
+    from .flops import count_matmuls
+
+    def call(*args, **kwargs):
+        calls = []
+
+        def inner(params, *a, **k):
+            module.update(params)
+            count_matmuls.trained(params)
+            calls.append(None)
+            if len(calls) > 1:  # mx.checkpoint's vjp runs the function again
+                with count_matmuls.recomputing():
+                    return fn(*a, **k)
+            return fn(*a, **k)
+
+        return mx.checkpoint(inner)(module.trainable_parameters(), *args, **kwargs)
+
+    return call
+
+
 def _checkpointed_class(cls):
     """A subclass of ``cls`` whose ``__call__`` recomputes its activations in
     the backward pass (parameter names unchanged)."""
 
     def __call__(self, *args, **kwargs):
-        return nn.utils.checkpoint(self, lambda *a, **k: cls.__call__(self, *a, **k))(*args, **kwargs)
+        return checkpointed(self, lambda *a, **k: cls.__call__(self, *a, **k))(*args, **kwargs)
 
     return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})
 
 
+def _mlps(layer) -> list:
+    """The outermost submodules of ``layer`` named ``*mlp`` (``mlp``, an MTP block's
+    ``block.mlp``, a mixer's ``switch_mlp``), in order."""
+    chosen = []
+    for name, m in sorted(layer.named_modules(), key=lambda kv: kv[0].count(".")):
+        leaf = name.rsplit(".", 1)[-1]
+        if name and leaf.endswith("mlp") and not any(name.startswith(c + ".") for c, _ in chosen):
+            chosen.append((name, m))
+    return [m for _, m in chosen]
+
+
 def checkpoint_layers(model) -> int:
-    """Gradient checkpointing of a drafter's layers: every layer's ``mlp`` and,
-    for EAGLE-3's layer, its ``finish`` (attention output + MLP).  Returns the
-    number of checkpointed blocks."""
+    """Gradient checkpointing of a drafter's layers: each layer's methods named in its
+    ``checkpoint_methods`` (a layer that training calls through methods of its own, not
+    ``__call__``: EAGLE-3's ``finish`` and ``finish_ttt``, attention output + MLP), else its MLPs
+    (its outermost submodules named ``*mlp``: an MTP layer's ``block.mlp``).  Returns the number
+    of checkpointed blocks; none is an error (the option would silently do nothing)."""
     layers = getattr(model, "layers", None)
     if layers is None and hasattr(model, "model"):
         layers = getattr(model.model, "layers", None)
     n = 0
     for layer in layers or []:
-        if hasattr(layer, "finish"):  # EAGLE-3: project() / finish() are called, not __call__
-            finish = type(layer).finish.__get__(layer)
-            layer.finish = nn.utils.checkpoint(layer, finish)
+        names = getattr(type(layer), "checkpoint_methods", ())
+        for name in names:
+            if not getattr(getattr(layer, name), "_checkpointed", False):
+                call = checkpointed(layer, getattr(type(layer), name).__get__(layer))
+                call._checkpointed = True
+                setattr(layer, name, call)
             n += 1
-            continue
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, nn.Module) and not type(mlp).__name__.startswith("Checkpointed"):
-            mlp.__class__ = _checkpointed_class(type(mlp))
+        for mlp in [] if names else _mlps(layer):
+            if not type(mlp).__name__.startswith("Checkpointed"):
+                mlp.__class__ = _checkpointed_class(type(mlp))
             n += 1
+    if not n:
+        raise ValueError(f"--grad-checkpoint: {type(model).__name__} has no layer with an MLP or checkpoint_methods "
+                         "to recompute; train without --grad-checkpoint")
     return n
 
 

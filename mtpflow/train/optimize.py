@@ -240,7 +240,7 @@ class _Loop:
             grads, loss, per, cor, n_tok = self._all_reduce(grads, loss, per, cor, n_tok)
         gnorm = self.apply(grads)
         mx.eval(self.model.parameters(), self.opt.state, loss, per, cor, cnt, gnorm, n_tok)
-        self.flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step, f_drafter.frozen)
+        self.flops.add(f_drafter.flops, f_target.flops, time.perf_counter() - t_step, f_drafter.frozen, f_drafter.recomputed)
         self.step += 1
         self._record(loss, per, cor, cnt, gnorm, n_tok)
         if self.ranks.main:

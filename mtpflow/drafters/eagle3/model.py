@@ -83,6 +83,9 @@ class Attention(nn.Module):
 
 
 class Layer(nn.Module):
+    #: what ``--grad-checkpoint`` recomputes (training calls these, not ``__call__``)
+    checkpoint_methods = ("finish", "finish_ttt")
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
