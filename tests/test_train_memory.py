@@ -178,6 +178,15 @@ def test_the_step_flops_count_a_frozen_weights_backward_once():
         grads = nn.value_and_grad(ck_m, loss)(ck_m, x)[1]
     assert (ck.flops, ck.frozen, ck.recomputed) == (*seen["grad"], 2 * 5 * 8 * 16)
     assert float(mx.abs(grads["body"]["weight"]).sum()) > 0
+    # a weight made while counting (a head's rows taken per batch) never passes for a trained
+    # array freed before it: the arrays named trained stay alive while the counter counts
+    x4 = mx.ones((1, 4))
+    with count_matmuls() as fresh:
+        for _ in range(50):
+            count_matmuls.trained({"w": mx.zeros((4, 4))})
+            rows = nn.Linear(4, 4, bias=False)
+            rows(x4)
+    assert fresh.frozen == fresh.flops == 50 * 2 * 4 * 4
 
 
 KIND_OPTS = {"eagle3": OPTS, "dflash": {"block_size": 4, "num_hidden_layers": 1}, "mtp": None,

@@ -56,6 +56,7 @@ class count_matmuls:
         #: the FLOPs of products recomputed in the backward (:meth:`recomputing`), in neither of the above
         self.recomputed = 0
         self._trained: set | None = None
+        self._held: list = []  # the arrays named trained, alive while counting: their ids stay theirs
 
     _recomputing: int = 0
 
@@ -75,8 +76,11 @@ class count_matmuls:
         product by any other weight counts in :attr:`frozen` too."""
         from mlx.utils import tree_flatten
 
-        ids = {id(a) for _, a in tree_flatten(params)}
+        arrays = [a for _, a in tree_flatten(params)]
+        ids = {id(a) for a in arrays}
         for c in cls._active:
+            # (held: a freed array's id could name a frozen weight made later, e.g. a head's rows)
+            c._held.append(arrays)
             c._trained = ids if c._trained is None else c._trained | ids
 
     @classmethod
@@ -99,6 +103,7 @@ class count_matmuls:
     def __exit__(self, *exc):
         cls = type(self)
         cls._active.remove(self)
+        self._held = []
         if not cls._active:
             cls._unpatch()
         return False
