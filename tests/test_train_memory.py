@@ -109,22 +109,35 @@ def test_budget_settings_are_checked():
 def test_the_compiled_update_is_the_plain_one(tmp_path, monkeypatch, optimizer):
     """The clipping and optimiser update run compiled (``_Loop._update_fn``); with ``mx.compile``
     made a no-op the same run logs the same losses and gradient norms, and ends with the same
-    weights, to float32 rounding."""
+    weights and optimiser step, to float32 rounding; so does ``--chunked-update`` (one parameter
+    array at a time; the schedule advances once a step)."""
     from mlx.utils import tree_flatten
 
     kw = dict(target_bits=4, optimizer=optimizer, steps=4, lr=1e-2)
     s_c, log_c = _run(tmp_path / "compiled", **kw)
+    _run(tmp_path / "chunked", chunked_update=True, **kw)
     monkeypatch.setattr(mx, "compile", lambda fn, *a, **k: fn)
     s_p, log_p = _run(tmp_path / "plain", **kw)
-    assert len(log_c) == len(log_p) == 4
-    for a, b in zip(log_c, log_p):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"])), (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * max(1.0, a["grad_norm"]), (a, b)
-    w_c = dict(tree_flatten(mx.load(str(tmp_path / "compiled" / "checkpoint" / "model.safetensors"))))
-    w_p = dict(tree_flatten(mx.load(str(tmp_path / "plain" / "checkpoint" / "model.safetensors"))))
-    assert w_c.keys() == w_p.keys()
-    for k in w_c:
-        np.testing.assert_allclose(np.array(w_c[k]), np.array(w_p[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+
+    def saved(run):
+        ck = tmp_path / run / "checkpoint"
+        opt = dict(tree_flatten(mx.load(str(ck / "optimizer.safetensors"))))
+        return dict(tree_flatten(mx.load(str(ck / "model.safetensors")))), opt
+
+    w_c, o_c = saved("compiled")
+    for run in ("plain", "chunked"):
+        log = [json.loads(x) for x in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+        assert len(log) == len(log_c) == 4
+        for a, b in zip(log_c, log):
+            assert abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"])), (run, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * max(1.0, a["grad_norm"]), (run, a, b)
+            assert a["lr"] == b["lr"], (run, a, b)
+        w, o = saved(run)
+        assert w.keys() == w_c.keys() and o.keys() == o_c.keys()
+        for k in w_c:
+            np.testing.assert_allclose(np.array(w[k]), np.array(w_c[k]), rtol=1e-5, atol=1e-6, err_msg=f"{run} {k}")
+        step = [k for k in o if k.endswith("step")]
+        assert step and all(int(o[k]) == int(o_c[k]) == 4 for k in step), (run, {k: o[k] for k in step})
     assert log_c[-1]["loss"] != log_c[0]["loss"]  # it trained
 
 

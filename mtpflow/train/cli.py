@@ -92,6 +92,9 @@ def add_train_arguments(p) -> None:
                         "default, one per core on a CPU and 1 on a GPU; 1: off)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute the drafter layers' activations in the backward pass instead of keeping them")
+    p.add_argument("--chunked-update", action="store_true",
+                   help="apply the optimizer update one parameter array at a time (a lower peak memory: the old and "
+                        "new optimizer state of one array at a time, not of the whole drafter)")
     p.add_argument("--cache-dir", default=None,
                    help="cache: data: the features folder (default: OUT/features-cache); kinds trained on the same data "
                         "share one, each reading the target layers it needs")
@@ -119,6 +122,7 @@ def run_train(args) -> int:
         kind=args.kind, anchors=args.anchors, tap_cache_mb=args.tap_cache_mb, cache_dir=args.cache_dir,
         schedule=args.schedule, dpace_alpha=args.dpace_alpha, target_bits=args.target_bits, optimizer=args.optimizer,
         grad_accum=args.grad_accum, lanes=args.lanes, grad_checkpoint=args.grad_checkpoint,
+        chunked_update=args.chunked_update,
         cache_taps=tuple(int(t) for t in args.cache_taps.split(",") if t.strip()),
     )
     try:

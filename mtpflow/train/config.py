@@ -65,6 +65,9 @@ class TrainConfig:
     lanes: int = 0
     #: recompute the drafter layers' activations in the backward pass (mx.checkpoint)
     grad_checkpoint: bool = False
+    #: apply the optimizer update one parameter array at a time, each evaluated before the next
+    #: (the peak holds one array's new weights and optimizer state, not the whole drafter's)
+    chunked_update: bool = False
     #: quantize the frozen target to 4 or 8 bits before training (None: as loaded)
     target_bits: int | None = None
     #: ``cache:`` data: the features folder (default ``OUT/features-cache``); kinds trained on the

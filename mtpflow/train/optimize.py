@@ -255,6 +255,8 @@ class _Loop:
         compiled function holds the state's trees."""
         model, opt, clip = self.model, self.opt, self.cfg.grad_clip
         opt.init(model.trainable_parameters())  # the state's missing entries (a resumed state is kept)
+        if self.cfg.chunked_update:
+            return self._chunked_update
 
         def apply(grads):
             grads, gnorm = optim.clip_grad_norm(grads, clip)
@@ -263,6 +265,24 @@ class _Loop:
 
         state = [model.state, opt.state]
         return mx.compile(apply, inputs=state, outputs=state)
+
+    def _chunked_update(self, grads):
+        """``--chunked-update``: the clipping, then the optimiser's update one parameter array at a
+        time, each evaluated before the next, so the old and the new weights and optimiser state
+        are held together for one array only (a compiled update over every array holds the whole
+        drafter's twice at its peak).  The same values as the update of every array at once: the
+        schedule and the step counter advance once (``apply_gradients`` on one array at a time,
+        from the same step)."""
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        model, opt = self.model, self.opt
+        grads, gnorm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
+        step = opt.state["step"]
+        for name, g in tree_flatten(grads):
+            opt.state["step"] = step
+            model.update(opt.apply_gradients(tree_unflatten([(name, g)]), model))
+            mx.eval(model.parameters(), opt.state)
+        return gnorm
 
     def _count_whole(self, counts) -> None:
         """The loss-term counts of the whole global batch (every micro-batch or part normalises by them)."""
