@@ -225,3 +225,17 @@ def test_gradient_checkpointing_recomputes_in_every_kind(tmp_path, kind):
     for a, b in zip(log_off, log_on):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+
+
+def test_a_memory_budget_defaults_to_one_lane(tmp_path):
+    """With ``--grad-checkpoint`` or ``--chunked-update`` the device's default lanes (``lanes=0``)
+    become one (two lanes hold their parts' activations side by side); asked for, two run."""
+    kw = dict(COMMON, steps=1, lanes=0)
+    got = {}
+    for name, extra in (("default", {}), ("ck", {"grad_checkpoint": True}), ("chunked", {"chunked_update": True}),
+                        ("asked", {"chunked_update": True, "lanes": 2})):
+        s = train(str(TGT), OPTS, "selfgen:8:40", tmp_path / name, **{**kw, **extra})
+        got[name] = s["train_speed"]["lanes"]
+    from mtpflow.train.lanes import lane_count
+
+    assert got == {"default": lane_count(0, B), "ck": 1, "chunked": 1, "asked": 2}

@@ -89,7 +89,8 @@ def add_train_arguments(p) -> None:
                    help="micro-batches per optimizer step (same gradient, batch/N rows of activations at a time)")
     p.add_argument("--lanes", type=int, default=d.lanes,
                    help="parts of each micro-batch evaluated side by side on a CPU, one per core (0: the device's "
-                        "default, one per core on a CPU and 1 on a GPU; 1: off)")
+                        "default, one per core on a CPU and 1 on a GPU, and 1 with --grad-checkpoint or --chunked-update; "
+                        "1: off)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute the drafter layers' activations in the backward pass instead of keeping them")
     p.add_argument("--chunked-update", action="store_true",

@@ -61,7 +61,8 @@ class TrainConfig:
     #: micro-batches per optimizer step (the gradient of the whole batch, in batch/N rows at a time)
     grad_accum: int = 1
     #: parts of each micro-batch evaluated side by side, one per CPU core (mtpflow.train.lanes);
-    #: 0 = the device's default (one per core on a CPU, 1 on a GPU), 1 = off
+    #: 0 = the device's default (one per core on a CPU, 1 on a GPU; 1 with grad_checkpoint or
+    #: chunked_update, a memory budget), 1 = off
     lanes: int = 0
     #: recompute the drafter layers' activations in the backward pass (mx.checkpoint)
     grad_checkpoint: bool = False

@@ -207,7 +207,10 @@ class _Loop:
         self.flops = Throughput(matmul_rate() if self.bar.enabled and self.step < cfg.steps else None)
         mx.reset_peak_memory()
         self.micro = micro_slices(rows, cfg.grad_accum) if cfg.grad_accum > 1 else [rows]
-        n_lanes = lane_count(cfg.lanes, min(m.stop - m.start for m in self.micro), ranks.size)
+        # a memory budget (checkpointing, the chunked update) defaults to one lane: lanes hold their
+        # parts' activations side by side
+        lanes = cfg.lanes or (1 if cfg.grad_checkpoint or cfg.chunked_update else 0)
+        n_lanes = lane_count(lanes, min(m.stop - m.start for m in self.micro), ranks.size)
         self.lanes = Lanes(n_lanes) if n_lanes > 1 else None
         if self.lanes is not None:  # every micro-batch cut into lanes, evaluated side by side
             self.micro = micro_slices(rows, cfg.grad_accum * n_lanes)
