@@ -231,7 +231,7 @@ class Throughput:
             "last_step_gflop": {"drafter_forward": round(last["drafter_fwd"] / 1e9, 4),
                                 "frozen_weight_forward": round(last["frozen_fwd"] / 1e9, 4),
                                 "target_forward": round(last["target_fwd"] / 1e9, 4),
-                                "recomputed_forward": round(last.get("recomputed", 0) / 1e9, 4),
+                                "recomputed_forward": round(last["recomputed"] / 1e9, 4),
                                 "total": round(self.step_total(last) / 1e9, 4)},
             "steps_timed": self.steps,
         }
