@@ -100,13 +100,22 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=1, help="runs of every (kind, source); ratios: medians over them")
     p.add_argument("--lanes", default="0", help="comma-separated --lanes values, each run in every turn "
                                                 "(0: the device's default; e.g. 1,0 compares without and with lanes)")
+    p.add_argument("--kind-config", action="append", default=[], metavar="KIND=JSON",
+                   help="a kind's drafter config instead of the defaults above (repeatable), e.g. the shipped "
+                        "default drafter's: 'assistant={\"num_hidden_layers\": 1, \"draft_vocab_size\": 8192}'")
     args = p.parse_args(argv)
+    for item in args.kind_config:
+        kind, sep, cfg = item.partition("=")
+        if not sep or kind not in KIND_OPTIONS:
+            p.error(f"--kind-config {item!r}: expected KIND=JSON with KIND one of {', '.join(KIND_OPTIONS)}")
+        KIND_OPTIONS[kind] = json.loads(cfg)
 
     from mtpflow.train.run import tap_layers, train
     from mtpflow.train.target import load_target
 
     target = load_target(args.target)
-    KIND_OPTIONS["eagle3"]["draft_vocab_size"] = min(8192, target.vocab_size)
+    if KIND_OPTIONS["eagle3"].get("draft_vocab_size"):
+        KIND_OPTIONS["eagle3"]["draft_vocab_size"] = min(KIND_OPTIONS["eagle3"]["draft_vocab_size"], target.vocab_size)
     kinds = args.kinds.split(",")
     union = sorted({t for k in kinds if k in ("eagle3", "dflash") for t in tap_layers(k, target, KIND_OPTIONS[k])})
     common = dict(batch_size=args.batch_size, steps=args.steps, warmup=1, checkpoint_every=10_000, progress=False,

