@@ -105,6 +105,64 @@ def test_budget_settings_are_checked():
         checkpoint_layers(bare)  # nothing to recompute: an error, not a silent no-op
 
 
+def test_checkpointing_twice_wraps_once():
+    """A second ``checkpoint_layers`` call leaves what the first wrapped as it is (one recomputation
+    per block, not two nested), for an MLP and for a layer's ``checkpoint_methods``; a user's class
+    whose name happens to start with ``Checkpointed`` is still wrapped."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mtpflow.train.memory import checkpoint_layers
+
+    class CheckpointedLookingMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def __call__(self, x):
+            return self.up(x)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = CheckpointedLookingMLP()
+
+        def __call__(self, x):
+            return self.mlp(x)
+
+    class MethodLayer(nn.Module):
+        checkpoint_methods = ("finish",)
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def finish(self, x):
+            return self.proj(x)
+
+    model = nn.Module()
+    model.layers = [Layer(), MethodLayer()]
+    assert checkpoint_layers(model) == 2
+    mlp_cls, finish = type(model.layers[0].mlp), model.layers[1].finish
+    assert mlp_cls is not CheckpointedLookingMLP and issubclass(mlp_cls, CheckpointedLookingMLP)
+    assert finish is not MethodLayer.finish
+    assert checkpoint_layers(model) == 2
+    assert type(model.layers[0].mlp) is mlp_cls and model.layers[1].finish is finish
+    x = mx.arange(8, dtype=mx.float32).reshape(2, 4)
+    for layer, inner in ((model.layers[0], model.layers[0].mlp.up), (model.layers[1], model.layers[1].proj)):
+        call = layer if isinstance(layer, Layer) else layer.finish
+        assert mx.allclose(call(x), inner(x))  # the layer's own values, and its own gradient
+
+        def loss(params, fn):
+            layer.update(params)
+            return (fn(x) ** 2).sum()
+
+        g_wrapped = mx.grad(loss)(layer.trainable_parameters(), call)
+        g_plain = mx.grad(loss)(layer.trainable_parameters(), inner)
+        for (k, a), (_, b) in zip(tree_flatten(g_wrapped), tree_flatten(g_plain)):
+            assert mx.allclose(a, b), k
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_the_compiled_update_is_the_plain_one(tmp_path, monkeypatch, optimizer):
     """The clipping and optimiser update run compiled (``_Loop._update_fn``); with ``mx.compile``

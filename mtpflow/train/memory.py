@@ -154,6 +154,11 @@ def checkpointed(module, fn):
     return call
 
 
+#: set on what :func:`checkpoint_layers` made (a layer's wrapped method, an MLP's subclass), so a
+#: second call wraps nothing twice
+_MARK = "_mtpflow_checkpointed"
+
+
 def _checkpointed_class(cls):
     """A subclass of ``cls`` whose ``__call__`` recomputes its activations in
     the backward pass (parameter names unchanged)."""
@@ -161,7 +166,7 @@ def _checkpointed_class(cls):
     def __call__(self, *args, **kwargs):
         return checkpointed(self, lambda *a, **k: cls.__call__(self, *a, **k))(*args, **kwargs)
 
-    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})
+    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__, _MARK: True})
 
 
 def _mlps(layer) -> list:
@@ -188,13 +193,13 @@ def checkpoint_layers(model) -> int:
     for layer in layers or []:
         names = getattr(type(layer), "checkpoint_methods", ())
         for name in names:
-            if not getattr(getattr(layer, name), "_checkpointed", False):
+            if not getattr(getattr(layer, name), _MARK, False):
                 call = checkpointed(layer, getattr(type(layer), name).__get__(layer))
-                call._checkpointed = True
+                setattr(call, _MARK, True)
                 setattr(layer, name, call)
             n += 1
         for mlp in [] if names else _mlps(layer):
-            if not type(mlp).__name__.startswith("Checkpointed"):
+            if not type(mlp).__dict__.get(_MARK, False):
                 mlp.__class__ = _checkpointed_class(type(mlp))
             n += 1
     if not n:
