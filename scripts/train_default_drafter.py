@@ -2,7 +2,7 @@
 """Train the default SmolLM2-135M drafter further, in rounds, resumably:
 
     python scripts/train_default_drafter.py [--out OUT] [--rounds N] [--collect-s S] [--steps N] [--batch B]
-    python scripts/train_default_drafter.py --tiny          # everything tiny: a few minutes on a 2-core CPU
+    python scripts/train_default_drafter.py --tiny          # everything tiny: under a minute on a 2-core CPU
 
 Round 0 measures the starting drafter (``--init``, default the shipped ``smollm2-135m-mtp``).
 Round r >= 1:
