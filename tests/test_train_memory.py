@@ -149,8 +149,8 @@ def test_checkpointing_twice_wraps_once():
     assert checkpoint_layers(model) == 2
     assert type(model.layers[0].mlp) is mlp_cls and model.layers[1].finish is finish
     x = mx.arange(8, dtype=mx.float32).reshape(2, 4)
-    for layer, inner in ((model.layers[0], model.layers[0].mlp.up), (model.layers[1], model.layers[1].proj)):
-        call = layer if isinstance(layer, Layer) else layer.finish
+    plain, method = model.layers
+    for layer, call, inner in ((plain, plain, plain.mlp.up), (method, method.finish, method.proj)):
         assert mx.allclose(call(x), inner(x))  # the layer's own values, and its own gradient
 
         def loss(params, fn):

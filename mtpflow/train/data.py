@@ -95,6 +95,13 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
+def sharegpt_first_turns():
+    """The first user turn of each ShareGPT conversation, in file order: the prompt stream
+    ``distill:sharegpt`` reads (before its length filter and de-duplication)."""
+    return (m[0]["content"] for m in map(to_messages, iter_json_objects(sharegpt_path()))
+            if m and m[0]["role"] == "user")
+
+
 def to_messages(obj: dict) -> list[dict] | None:
     """OpenAI-style messages of a ShareGPT/OpenAI record (leading non-user
     turns dropped); ``None`` when it holds no assistant turn."""

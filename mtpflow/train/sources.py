@@ -80,7 +80,7 @@ def distill_prompts(spec: str, tokenizer, max_prompt_len: int = 192, min_prompt_
     :func:`mtpflow.train.prompts.load_prompts` reads (``FILE.jsonl``, ``FILE.txt``),
     with an optional ``:N``.  Prompts longer than ``max_prompt_len`` tokens are
     skipped (counted towards ``N`` only when kept)."""
-    from .data import DataError, iter_json_objects, sharegpt_path, split_limit, to_messages
+    from .data import DataError, sharegpt_first_turns, split_limit
 
     if tokenizer is None:
         raise DataError("distill data needs the target's tokenizer (tokenizer.json in the target folder)")
@@ -90,8 +90,7 @@ def distill_prompts(spec: str, tokenizer, max_prompt_len: int = 192, min_prompt_
 
     name, limit = split_limit(spec)
     if name == "sharegpt":
-        texts = (m[0]["content"] for m in map(to_messages, iter_json_objects(sharegpt_path()))
-                 if m and m[0]["role"] == "user")
+        texts = sharegpt_first_turns()
     else:
         try:
             texts = iter(load_prompts(name))
